@@ -1,0 +1,3 @@
+from variantbench.cli import main
+
+main()

@@ -1,0 +1,180 @@
+"""The in-process PyTorch backend: a Hugging Face model folder, a variant recipe, our decode loop."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
+from variantbench.errors import UserError
+
+
+class TorchBackend:
+    """Runs greedy generation for one variant of a Llama-architecture model.
+
+    Picklable until ``load()``: it holds only the folder, the variant name and options.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        variant: str = "fp32",
+        device: str = "cpu",
+        threads: int | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.name = variant
+        self.device = device
+        self.threads = threads
+        self._decoder: Any = None
+        self._tokenizer: Any = None
+        self._stop_ids: tuple[int, ...] = ()
+        self._max_positions: int | None = None
+        self._info: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._decoder is not None:
+            raise TypeError("a loaded TorchBackend cannot be pickled; pickle it before load()")
+        return self.__dict__.copy()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def load(self) -> LoadInfo:
+        t0 = time.perf_counter_ns()
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from variantbench.backends.engine import LlamaDecoder
+        from variantbench.variants import apply_recipes, parse_variant, weight_format
+        from variantbench.variants.measure import param_bytes
+
+        hf_logging.disable_progress_bar()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but torch sees no CUDA device")
+        recipes = parse_variant(self.name)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        if self.device != "cpu":
+            model = model.to(self.device)
+        model = apply_recipes(model, recipes)
+        nbytes = param_bytes(model)
+        config = model.config
+        if not (hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(config, "rms_norm_eps")):
+            raise UserError(
+                f"unsupported architecture {type(model).__name__}: the torch backend runs Llama-style models"
+            )
+        self._decoder = LlamaDecoder(model)
+        self._max_positions = getattr(config, "max_position_embeddings", None)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else self._tokenizer.eos_token_id
+        self._stop_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        self._info = {
+            "backend": "torch",
+            "variant": self.name,
+            "recipes": [r.model_dump() for r in recipes],
+            "weight_format": weight_format(recipes),
+            "dtype": str(self._decoder.dtype).replace("torch.", ""),
+            "device": self.device,
+            "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_version": torch.__version__,
+            "architecture": type(model).__name__,
+            "layers": len(self._decoder.layers),
+        }
+        del model
+        gc.collect()
+        # Ready means a token can be produced: one tiny generation touches every weight once.
+        self._decoder.generate([[self._first_token_id()]], 1)
+        startup_s = (time.perf_counter_ns() - t0) / 1e9
+        return LoadInfo(startup_s=startup_s, param_bytes=nbytes, details=dict(self._info))
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info) if self._info else {"backend": "torch", "variant": self.name}
+
+    def close(self) -> None:
+        self._decoder = None
+        self._tokenizer = None
+        gc.collect()
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def _first_token_id(self) -> int:
+        tok = self._tokenizer
+        for candidate in (tok.bos_token_id, tok.eos_token_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """Token ids of the request, through the chat template when the tokenizer has one."""
+        tok = self._tokenizer
+        messages = list(request.messages) if request.messages else None
+        if messages is None:
+            if request.prompt is None:
+                raise ValueError("request has neither prompt nor messages")
+            if getattr(tok, "chat_template", None):
+                messages = [{"role": "user", "content": request.prompt}]
+        if messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError("chat messages given but the tokenizer has no chat template")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(request.prompt)["input_ids"])
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if self._decoder is None:
+            raise RuntimeError("generate() before load()")
+        results: dict[str, GenerationResult] = {}
+        batch: list[tuple[GenerationRequest, list[int]]] = []
+        for req in requests:
+            start = time.perf_counter_ns()
+            try:
+                ids = self.encode(req)
+                if not ids:
+                    raise ValueError("prompt encodes to zero tokens")
+                if req.max_new_tokens < 1:
+                    raise ValueError("max_new_tokens must be at least 1")
+                if self._max_positions and len(ids) + req.max_new_tokens > self._max_positions:
+                    raise ValueError(
+                        f"prompt of {len(ids)} tokens + {req.max_new_tokens} new exceeds the model's "
+                        f"{self._max_positions} positions"
+                    )
+                batch.append((req, ids))
+            except Exception as exc:
+                results[req.request_id] = GenerationResult(
+                    req.request_id, status="error", error=str(exc), start_ns=start, end_ns=time.perf_counter_ns()
+                )
+        if batch:
+            start = time.perf_counter_ns()
+            try:
+                out = self._decoder.generate(
+                    [ids for _, ids in batch],
+                    [req.max_new_tokens for req, _ in batch],
+                    stop_ids=self._stop_ids,
+                    start_ns=start,
+                )
+            except Exception as exc:
+                end = time.perf_counter_ns()
+                for req, _ in batch:
+                    results[req.request_id] = GenerationResult(
+                        req.request_id, status="error", error=f"{type(exc).__name__}: {exc}", start_ns=start, end_ns=end
+                    )
+            else:
+                for (req, ids), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):
+                    shown = [t for t in tokens if t not in self._stop_ids]
+                    text = self._tokenizer.decode(shown, skip_special_tokens=True)
+                    results[req.request_id] = GenerationResult(
+                        req.request_id,
+                        text=text.strip(),
+                        input_tokens=len(ids),
+                        output_tokens=len(tokens),
+                        start_ns=timing.start_ns,
+                        first_token_ns=timing.token_ns[0] if timing.token_ns else None,
+                        token_ns=list(timing.token_ns),
+                        end_ns=timing.end_ns,
+                    )
+        return [results[req.request_id] for req in requests]

@@ -1,0 +1,109 @@
+"""The ``variantbench`` command: thin; parses, calls the library, renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import sys
+from typing import Annotated
+
+from rich.console import Console
+import typer
+
+from variantbench.errors import UserError
+
+app = typer.Typer(
+    name="variantbench",
+    help="Which variant of my model should I deploy for this scenario, and why?",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    ] = None,
+    variants: Annotated[str, typer.Option(help="Comma-separated variants; see 'variantbench variants'")] = (
+        "fp32,bf16,int8"
+    ),
+    tasks: Annotated[int, typer.Option(help="Measured queries per variant")] = 12,
+    warmup: Annotated[int, typer.Option(help="Warm-up queries per variant (not counted)")] = 2,
+    out: Annotated[Path, typer.Option(help="Output folder for queries.jsonl and report.json")] = Path(
+        "variantbench-out"
+    ),
+    seed: Annotated[int, typer.Option(help="Seed of the workload and the sample order")] = 0,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Override the tasks' output token caps")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
+    isolate: Annotated[bool, typer.Option(help="Run each variant in its own process")] = True,
+) -> None:
+    """Build the variants, measure them side by side, print the comparison and write the report."""
+    from variantbench.config import make_plan
+    from variantbench.variants import parse_variant
+
+    console = Console(stderr=True)
+    try:
+        names = tuple(v.strip() for v in variants.split(",") if v.strip())
+        for name in names:
+            parse_variant(name)
+        plan = make_plan(
+            model=model,
+            variants=names,
+            tasks=tasks,
+            warmup=warmup,
+            out=out,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            device=device,
+            threads=threads,
+            isolate=isolate,
+        )
+        from variantbench.models import parse_model
+        from variantbench.runner import check_writable, execute
+
+        parse_model(plan.model)  # fail on a bad path before anything slow
+        check_writable(plan.out)
+        report = execute(plan, console)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    from variantbench.report.console import comparison_table
+
+    stdout = Console()
+    if not stdout.is_terminal:
+        stdout = Console(width=160)  # a file or pipe: don't squeeze the table to 80 columns
+    stdout.print(comparison_table(report))
+    console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
+    failed = [r for r in report.runs if r.status != "ok"]
+    if failed:
+        for r in failed:
+            console.print(f"[red]{r.variant} failed:[/red] {r.error}", highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command("variants")
+def list_variants() -> None:
+    """List the variant kinds that recipes can build."""
+    from variantbench.variants import known_kinds
+
+    for kind, summary in known_kinds().items():
+        typer.echo(f"{kind:12s} {summary}")
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as exc:  # anything that escaped a command
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The load generator: scenarios (issue patterns), the harness and the query log."""

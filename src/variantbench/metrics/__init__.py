@@ -1,0 +1,1 @@
+"""Statistics over query logs: latency percentiles, throughput, output quality."""

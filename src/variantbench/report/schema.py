@@ -1,0 +1,108 @@
+"""report.json: one versioned schema. Renderers read it; nothing is generated at run time.
+
+Units are in the field names. ``queries.completed`` counts queries that completed successfully;
+``queries.errors`` those that completed as errors; ``issued = completed + errors``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LatencyDist(_Model):
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+
+
+class Tail(_Model):
+    p50: float | None = None
+    p99: float | None = None
+
+
+class Throughput(_Model):
+    qps: float | None = None
+    output_tokens_per_s: float | None = None
+
+
+class Speed(_Model):
+    """Prefill (input tokens / TTFT) and decode (tokens after the first / their time) apart."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+
+
+class Quality(_Model):
+    bleu: float | None = None  # sacrebleu corpus BLEU, 0-100
+    rouge1: float | None = None  # mean F-measure, 0-1
+    rouge2: float | None = None
+    rougeL: float | None = None  # noqa: N815 - the metric's own name
+
+
+class Resources(_Model):
+    startup_s: float | None = None  # load to ready (first token possible), in a warm process
+    peak_rss_bytes: int | None = None  # while serving: warm-up and measured queries
+    mean_rss_bytes: float | None = None
+    load_peak_rss_bytes: int | None = None  # high-water mark of the process up to ready
+    param_bytes: int | None = None
+
+
+class Queries(_Model):
+    issued: int = 0
+    completed: int = 0
+    errors: int = 0
+
+
+class RunReport(_Model):
+    variant: str
+    status: str = "ok"  # "ok" | "failed"
+    error: str | None = None
+    scenario: str = "single-stream"
+    weight_format: str | None = None
+    backend: dict[str, Any] = Field(default_factory=dict)
+    duration_s: float | None = None
+    latency_ms: LatencyDist = Field(default_factory=LatencyDist)
+    ttft_ms: Tail = Field(default_factory=Tail)
+    tpot_ms: Tail = Field(default_factory=Tail)
+    throughput: Throughput = Field(default_factory=Throughput)
+    speed: Speed = Field(default_factory=Speed)
+    quality: Quality = Field(default_factory=Quality)
+    resources: Resources = Field(default_factory=Resources)
+    queries: Queries = Field(default_factory=Queries)
+    input_tokens: Tail = Field(default_factory=Tail)
+    output_tokens: Tail = Field(default_factory=Tail)
+
+
+class Report(_Model):
+    schema_version: str = SCHEMA_VERSION
+    tool_version: str
+    created_utc: str
+    model: dict[str, Any]
+    standard: str
+    plan: dict[str, Any]
+    workload: dict[str, Any]
+    environment: dict[str, Any]
+    runs: list[RunReport] = Field(default_factory=list)
+
+    def run(self, variant: str) -> RunReport | None:
+        return next((r for r in self.runs if r.variant == variant), None)
+
+    def write(self, path: Path) -> None:
+        """Atomic write: a crash mid-write never leaves a truncated report."""
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2), encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> Report:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,231 @@
+"""Run a plan: prepare the base model once, then measure each variant in its own process.
+
+Each variant runs in a fresh spawned process so that its memory, startup and threads are its own
+and a crash in one variant cannot take the others down. The worker appends every completed query
+to the query log as it goes and sends progress and its raw results back; the parent computes the
+summaries and rewrites report.json after every variant, so a run that fails halfway keeps all that
+was measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+import datetime as dt
+import multiprocessing as mp
+from pathlib import Path
+import queue as queue_mod
+import resource
+import time
+import traceback
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from variantbench import __version__
+from variantbench.config import RunPlan
+from variantbench.errors import UserError
+from variantbench.loadgen.records import QueryLog, QueryRecord
+from variantbench.report.schema import Report, Resources, RunReport
+from variantbench.report.summary import summarize_run
+from variantbench.workloads.synthetic import SyntheticLibrary
+
+Emit = Callable[[tuple[Any, ...]], None]
+
+
+@dataclass(frozen=True)
+class VariantJob:
+    """Everything a worker needs; plain data so it pickles into the spawned process."""
+
+    model_dir: str
+    variant: str
+    device: str
+    threads: int | None
+    tasks: int
+    warmup: int
+    seed: int
+    max_new_tokens: int | None
+    log_path: str
+    run_id: str
+
+
+def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
+    """Load one variant, warm it up, run SingleStream; return raw results (no statistics)."""
+    from variantbench.backends.torch_backend import TorchBackend
+    from variantbench.loadgen.single_stream import SingleStreamSettings, run_single_stream
+    from variantbench.trackers.memory import RssTracker
+
+    library = SyntheticLibrary(n=job.tasks, seed=job.seed)
+    backend = TorchBackend(job.model_dir, job.variant, device=job.device, threads=job.threads)
+    emit(("status", f"loading {job.variant}"))
+    try:
+        load = backend.load()
+        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        settings = SingleStreamSettings(
+            queries=job.tasks,
+            warmup=job.warmup,
+            sample_seed=job.seed,
+            run_id=job.run_id,
+            max_new_tokens=job.max_new_tokens,
+        )
+        with QueryLog(job.log_path) as log, RssTracker() as rss:
+            records = run_single_stream(
+                backend, library, settings, log, progress=lambda phase, done, total: emit(("progress", phase, done, total))
+            )
+    finally:
+        backend.close()
+    return {
+        "records": [r.to_json() for r in records],
+        "load": asdict(load),
+        "resources": {
+            "startup_s": load.startup_s,
+            "param_bytes": load.param_bytes,
+            "load_peak_rss_bytes": load_peak,
+            "peak_rss_bytes": rss.result.peak_rss_bytes,
+            "mean_rss_bytes": rss.result.mean_rss_bytes,
+        },
+    }
+
+
+def _worker(job: VariantJob, channel: Any) -> None:
+    try:
+        payload = run_variant(job, channel.put)
+        channel.put(("done", payload))
+    except UserError as exc:
+        channel.put(("failed", str(exc)))
+    except BaseException as exc:  # report, never hang the parent
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        channel.put(("failed", last))
+
+
+def _summarize(job: VariantJob, payload: dict[str, Any]) -> RunReport:
+    records = [QueryRecord.from_json(r) for r in payload["records"]]
+    return summarize_run(
+        job.variant, records, Resources(**payload["resources"]), backend=payload["load"].get("details", {})
+    )
+
+
+class _Display:
+    """Rich progress for one variant at a time, fed by worker events."""
+
+    def __init__(self, progress: Progress, variant: str) -> None:
+        self.progress = progress
+        self.variant = variant
+        self.task = progress.add_task(f"{variant}: starting", total=None)
+
+    def __call__(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "status":
+            self.progress.update(self.task, description=f"{self.variant}: {event[1]}")
+        elif kind == "progress":
+            _, phase, done, total = event
+            self.progress.update(self.task, description=f"{self.variant}: {phase}", completed=done, total=total)
+
+
+def _run_isolated(job: VariantJob, display: _Display) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    channel = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(job, channel), name=f"variantbench-{job.variant}")
+    proc.start()
+    try:
+        while True:
+            try:
+                event = channel.get(timeout=0.2)
+            except queue_mod.Empty:
+                if not proc.is_alive():
+                    # one last look: the result may have landed just before the exit
+                    try:
+                        event = channel.get(timeout=1.0)
+                    except queue_mod.Empty:
+                        raise RuntimeError(f"worker for {job.variant} exited with code {proc.exitcode}") from None
+                else:
+                    continue
+            if event[0] == "done":
+                return event[1]
+            if event[0] == "failed":
+                raise RuntimeError(event[1])
+            display(event)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _run_inline(job: VariantJob, display: _Display) -> dict[str, Any]:
+    try:
+        return run_variant(job, display)
+    except UserError as exc:
+        raise RuntimeError(str(exc)) from exc
+
+
+def check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".variantbench-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"output folder is not writable: {out} ({exc.strerror or exc})") from None
+
+
+def execute(plan: RunPlan, console: Console | None = None) -> Report:
+    """Run the plan; return the report (also written to ``plan.out / report.json``)."""
+    from variantbench.environment import describe_environment
+    from variantbench.models import parse_model, prepare_model
+
+    console = console or Console(stderr=True)
+    spec = parse_model(plan.model)
+    check_writable(plan.out)
+    model_dir = prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    library = SyntheticLibrary(n=plan.tasks, seed=plan.seed)
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    report = Report(
+        tool_version=__version__,
+        created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        model={"name": spec.name, "kind": spec.kind, "source": spec.path, "hf_dir": str(model_dir)},
+        standard=plan.standard,
+        plan=plan.model_dump(mode="json"),
+        workload=library.describe(),
+        environment=describe_environment(),
+    )
+    log_path = plan.out / "queries.jsonl"
+    log_path.write_text("")  # the folder holds one run: a fresh log
+    report_path = plan.out / "report.json"
+    report.write(report_path)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    with progress:
+        for variant in plan.variants:
+            job = VariantJob(
+                model_dir=str(model_dir),
+                variant=variant,
+                device=plan.device,
+                threads=plan.threads,
+                tasks=plan.tasks,
+                warmup=plan.warmup,
+                seed=plan.seed,
+                max_new_tokens=plan.max_new_tokens,
+                log_path=str(log_path),
+                run_id=run_id,
+            )
+            display = _Display(progress, variant)
+            started = time.perf_counter()
+            try:
+                payload = (_run_isolated if plan.isolate else _run_inline)(job, display)
+                run = _summarize(job, payload)
+                progress.update(display.task, description=f"{variant}: done")
+            except Exception as exc:
+                run = RunReport(variant=variant, status="failed", error=str(exc))
+                progress.update(display.task, description=f"[red]{variant}: failed[/red]")
+            run.backend.setdefault("wall_s", round(time.perf_counter() - started, 3))
+            report.runs.append(run)
+            report.write(report_path)
+    return report

@@ -1,0 +1,98 @@
+"""Recipes: how a variant is made from the standard model.
+
+A recipe is a frozen pydantic model with a ``kind``; exactly one transform is registered per kind
+(torchao's ``quantize_(model, config)`` shape). Adding a variant kind means adding a module that
+calls :func:`register`, not an ``elif``. A variant name is a chain of recipe specs joined by ``+``,
+each ``kind`` or ``kind:args`` (``int8``, later ``prune-heads:0.3+int8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
+
+from variantbench.errors import UserError
+
+
+class Recipe(BaseModel):
+    """Base of every recipe: frozen, hashable, serializable with its kind."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: str
+    # What the transform leaves the weights as, for the report ("float32", "int8", ...).
+    weight_format: ClassVar[str] = "float32"
+
+    @classmethod
+    def from_args(cls, kind: str, args: str | None) -> Recipe:
+        if args:
+            raise UserError(f"variant {kind!r} takes no parameters (got {args!r})")
+        return cls(kind=kind)
+
+
+Transform = Callable[[nn.Module, Recipe], nn.Module]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    recipe_type: type[Recipe]
+    transform: Transform
+    summary: str
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register(kind: str, recipe_type: type[Recipe], summary: str) -> Callable[[Transform], Transform]:
+    """Register the one transform for ``kind``."""
+
+    def decorator(fn: Transform) -> Transform:
+        if kind in _REGISTRY:
+            raise RuntimeError(f"variant kind {kind!r} registered twice")
+        _REGISTRY[kind] = _Entry(recipe_type, fn, summary)
+        return fn
+
+    return decorator
+
+
+def known_kinds() -> dict[str, str]:
+    _load_builtin()
+    return {kind: entry.summary for kind, entry in sorted(_REGISTRY.items())}
+
+
+def parse_variant(name: str) -> tuple[Recipe, ...]:
+    """Parse ``kind[:args][+kind[:args]...]`` into recipes; unknown kinds list the known ones."""
+    _load_builtin()
+    name = name.strip()
+    if not name:
+        raise UserError("empty variant name")
+    recipes = []
+    for part in name.split("+"):
+        kind, _, args = part.strip().partition(":")
+        entry = _REGISTRY.get(kind)
+        if entry is None:
+            raise UserError(f"unknown variant {kind!r}; known: {', '.join(sorted(_REGISTRY))}")
+        try:
+            recipes.append(entry.recipe_type.from_args(kind, args or None))
+        except ValidationError as exc:
+            raise UserError(f"bad parameters for variant {kind!r}: {exc.errors()[0]['msg']}") from exc
+    return tuple(recipes)
+
+
+def apply_recipes(model: nn.Module, recipes: tuple[Recipe, ...]) -> nn.Module:
+    for recipe in recipes:
+        model = _REGISTRY[recipe.kind].transform(model, recipe)
+    return model
+
+
+def weight_format(recipes: tuple[Recipe, ...]) -> str:
+    formats = [type(r).weight_format for r in recipes]
+    return formats[-1] if formats else "float32"
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
+    from variantbench.variants import int8, precision  # noqa: F401

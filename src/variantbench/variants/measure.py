@@ -1,0 +1,48 @@
+"""How many bytes a variant's weights take, whatever form the recipe left them in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if t.is_quantized:
+        # int8 payload plus its scale/zero-point (per tensor or per channel)
+        extra = 0
+        if t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            extra = t.q_per_channel_scales().numel() * 8 + t.q_per_channel_zero_points().numel() * 8
+        else:
+            extra = 16
+        return t.numel() * t.element_size() + extra
+    return t.numel() * t.element_size()
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct weight: parameters, buffers that persist, and packed quantized weights."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None:
+            return
+        key = id(t) if t.is_quantized else t.untyped_storage().data_ptr() + t.storage_offset()
+        if key in seen:
+            return
+        seen.add(key)
+        total += _tensor_bytes(t)
+
+    for module in model.modules():
+        weight_fn = getattr(module, "weight", None)
+        if callable(weight_fn) and hasattr(module, "_packed_params"):
+            add(weight_fn())
+            bias_fn = getattr(module, "bias", None)
+            add(bias_fn() if callable(bias_fn) else None)
+        for p in module.parameters(recurse=False):
+            add(p)
+        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        for name, b in module.named_buffers(recurse=False):
+            if name not in non_persistent:
+                add(b)
+    return total
