@@ -33,8 +33,8 @@ def run(
     variants: Annotated[str, typer.Option(help="Comma-separated variants; see 'variantbench variants'")] = (
         "fp32,bf16,int8"
     ),
-    tasks: Annotated[int, typer.Option(help="Measured queries per variant")] = 12,
-    warmup: Annotated[int, typer.Option(help="Warm-up queries per variant (not counted)")] = 2,
+    tasks: Annotated[int, typer.Option(help="Measured queries per variant")] = 10,
+    warmup: Annotated[int, typer.Option(help="Warm-up queries per variant (not counted)")] = 1,
     out: Annotated[Path, typer.Option(help="Output folder for queries.jsonl and report.json")] = Path(
         "variantbench-out"
     ),

@@ -16,8 +16,8 @@ class RunPlan(BaseModel):
 
     model: str | None = Field(None, description="HF folder, GGUF file, or None for the bundled default")
     variants: tuple[str, ...] = DEFAULT_VARIANTS
-    tasks: PositiveInt = 12
-    warmup: int = Field(2, ge=0)
+    tasks: PositiveInt = 10
+    warmup: int = Field(1, ge=0)
     out: Path = Path("variantbench-out")
     seed: int = Field(0, description="seed of the workload and of the sample order")
     max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' own output caps")

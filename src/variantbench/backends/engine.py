@@ -72,7 +72,11 @@ class _DenseT:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         if self.weight_split is not None and rows <= SPLIT_K_MAX_ROWS:
-            parts = x.reshape(rows, self.split, self.in_features // self.split).transpose(0, 1)
+            chunk = self.in_features // self.split
+            if rows == 1:  # the decode step at batch 1: a plain view, no transpose
+                parts = x.reshape(self.split, 1, chunk)
+            else:
+                parts = x.reshape(rows, self.split, chunk).transpose(0, 1)
             out = torch.bmm(parts, self.weight_split).sum(0).view(*x.shape[:-1], self.out_features)
         else:
             out = x @ self.weight
@@ -192,20 +196,22 @@ class LlamaDecoder:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 cos, sin = self.rotary(probe, positions)
-            self._rope_cache = (cos[0].to(self.dtype), sin[0].to(self.dtype))
+            sin = sin[0].to(self.dtype).clone()
+            sin[..., : sin.shape[-1] // 2] *= -1
+            self._rope_cache = (cos[0].to(self.dtype), sin)
         return self._rope_cache
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # transformers' x*cos + rotate_half(x)*sin, with rotate_half(x) = cat(-x2, x1)
+        # = roll(x, D/2) * [-1.., +1..]: the sign lives in the precomputed sin table.
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
     def _forward(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cache: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
         start: int,
         attn_mask: torch.Tensor | None,
         is_causal: bool,
@@ -217,7 +223,7 @@ class LlamaDecoder:
         sin = sin_t[positions].unsqueeze(1)
         end = start + seq
         d = self.head_dim
-        for i, layer in enumerate(self.layers):
+        for layer, (k_cache, v_cache) in zip(self.layers, cache, strict=True):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h).view(bsz, seq, -1, d)
             nq, nkv = layer.n_heads, layer.n_kv_heads
@@ -225,7 +231,6 @@ class LlamaDecoder:
             qk = self._rotate(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, :, nq + nkv :].transpose(1, 2)
-            k_cache, v_cache = cache[i, 0, :, :nkv], cache[i, 1, :, :nkv]
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             attn = F.scaled_dot_product_attention(
@@ -291,7 +296,12 @@ class LlamaDecoder:
             valid[b, seq - len(p) :] = True
         padded = any(n != seq for n in lengths)
         max_kv = max(layer.n_kv_heads for layer in self.layers) if self.layers else 1
-        cache = torch.zeros(len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev)
+        storage = torch.zeros(len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev)
+        # per-layer (keys, values) views, [B, kv_heads, positions, head_dim], made once per call
+        cache = [
+            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
+            for i, layer in enumerate(self.layers)
+        ]
 
         positions = (valid[:, :seq].long().cumsum(-1) - 1).clamp(min=0)
         if padded:

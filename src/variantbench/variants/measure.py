@@ -20,14 +20,16 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of every distinct weight: parameters, buffers that persist, and packed quantized weights."""
-    seen: set[int] = set()
+    seen: set[object] = set()
     total = 0
 
-    def add(t: torch.Tensor | None) -> None:
+    def add(t: torch.Tensor | None, owner: object = None) -> None:
         nonlocal total
         if t is None:
             return
-        key = id(t) if t.is_quantized else t.untyped_storage().data_ptr() + t.storage_offset()
+        # Packed quantized weights are unpacked into a fresh tensor on each call: key them by their
+        # (live) module. Plain tensors are keyed by memory, so tied weights count once.
+        key = owner if owner is not None else (t.untyped_storage().data_ptr(), t.storage_offset())
         if key in seen:
             return
         seen.add(key)
@@ -36,9 +38,9 @@ def param_bytes(model: nn.Module) -> int:
     for module in model.modules():
         weight_fn = getattr(module, "weight", None)
         if callable(weight_fn) and hasattr(module, "_packed_params"):
-            add(weight_fn())
+            add(weight_fn(), owner=("weight", id(module)))
             bias_fn = getattr(module, "bias", None)
-            add(bias_fn() if callable(bias_fn) else None)
+            add(bias_fn() if callable(bias_fn) else None, owner=("bias", id(module)))
         for p in module.parameters(recurse=False):
             add(p)
         non_persistent = getattr(module, "_non_persistent_buffers_set", set())

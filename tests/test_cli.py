@@ -1,0 +1,94 @@
+"""The command line as a user meets it: bad input exits 2 with one line; a real run writes both files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "variantbench", *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+def _assert_user_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and needle in lines[0], lines[0]
+
+
+def test_missing_model_path(tmp_path: Path) -> None:
+    _assert_user_error(_cli("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)), "does not exist")
+
+
+def test_unknown_variant(tmp_path: Path) -> None:
+    proc = _cli("run", "--variants", "fp32,int3", "--out", str(tmp_path))
+    _assert_user_error(proc, "unknown variant 'int3'")
+    assert "int8" in proc.stderr
+
+
+@pytest.mark.parametrize("tasks", ["0", "-3"])
+def test_non_positive_task_count(tmp_path: Path, tasks: str) -> None:
+    _assert_user_error(_cli("run", "--tasks", tasks, "--out", str(tmp_path)), "--tasks")
+
+
+def test_unwritable_output_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = _cli("run", "--model", str(tiny_model_dir), "--out", str(blocker / "sub"))
+    _assert_user_error(proc, "not writable")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; the file-in-the-way case covers it")
+def test_read_only_output_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    _assert_user_error(_cli("run", "--model", str(tiny_model_dir), "--out", str(ro)), "not writable")
+
+
+def test_not_a_model_folder(tmp_path: Path) -> None:
+    _assert_user_error(_cli("run", "--model", str(tmp_path), "--out", str(tmp_path / "o")), "config.json")
+
+
+def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    proc = _cli(
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32,int8,bf16",
+        "--tasks", "4", "--warmup", "1", "--max-new-tokens", "6", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema_version"] == "1.0"
+    assert [r["variant"] for r in report["runs"]] == ["fp32", "int8", "bf16"]
+    for run in report["runs"]:
+        assert run["status"] == "ok"
+        for key in ("latency_ms", "ttft_ms", "tpot_ms", "throughput", "quality", "resources", "queries"):
+            assert key in run
+        assert set(run["latency_ms"]) >= {"p50", "p90", "p99", "mean"}
+        assert run["latency_ms"]["p50"] > 0 and run["ttft_ms"]["p50"] > 0
+        assert run["throughput"]["qps"] > 0 and run["throughput"]["output_tokens_per_s"] > 0
+        assert set(run["quality"]) >= {"bleu", "rouge1", "rouge2", "rougeL"}
+        assert run["resources"]["startup_s"] > 0 and run["resources"]["peak_rss_bytes"] > 0
+        assert run["queries"] == {"issued": 4, "completed": 4, "errors": 0}
+    sizes = {r["variant"]: r["resources"]["param_bytes"] for r in report["runs"]}
+    assert sizes["bf16"] * 2 == sizes["fp32"] and sizes["int8"] < sizes["fp32"]
+    lines = (out / "queries.jsonl").read_text().splitlines()
+    assert len(lines) == 12
+    assert {json.loads(line)["variant"] for line in lines} == {"fp32", "int8", "bf16"}
+
+
+def test_variants_command_lists_kinds() -> None:
+    proc = _cli("variants")
+    assert proc.returncode == 0
+    for kind in ("fp32", "bf16", "fp16", "int8"):
+        assert kind in proc.stdout

@@ -1,0 +1,61 @@
+"""The decode loop against transformers' own greedy generate, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from variantbench.backends.engine import LlamaDecoder
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+
+
+def _reference(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_tied_model_dir"])
+def test_batched_decode_matches_generate(fixture: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(fixture)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [_reference(model, p, 24) for p in PROMPTS]
+    decoder = LlamaDecoder(model)
+    batched = decoder.generate(PROMPTS, 24)  # left-padded batch of three lengths
+    assert batched.token_ids == expected
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        assert decoder.generate([prompt], 24).token_ids[0] == want  # and one at a time
+
+
+def test_timings_are_ordered_and_positive(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = LlamaDecoder(model).generate(PROMPTS, [5, 9, 16])
+    assert [len(t) for t in out.token_ids] == [5, 9, 16]
+    assert out.prefill_ns > 0
+    for timing, tokens in zip(out.timings, out.token_ids, strict=True):
+        assert len(timing.token_ns) == len(tokens)
+        assert timing.start_ns < timing.token_ns[0]
+        assert all(b > a for a, b in zip(timing.token_ns, timing.token_ns[1:], strict=False))
+        assert timing.end_ns == timing.token_ns[-1]
+
+
+def test_stop_token_ends_one_sequence_not_the_batch(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    decoder = LlamaDecoder(model)
+    free = decoder.generate(PROMPTS, 12).token_ids
+    stop = free[0][3]  # the 4th token of the first sequence becomes a stop id
+    out = decoder.generate(PROMPTS, 12, stop_ids=[stop])
+    first = free[0].index(stop) + 1
+    assert out.token_ids[0] == free[0][:first]
+    for got, full in zip(out.token_ids[1:], free[1:], strict=True):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:cut]
+
+
+def test_empty_prompt_is_rejected(tiny_model_dir) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="empty prompt"):
+        LlamaDecoder(model).generate([[]], 4)

@@ -1,0 +1,104 @@
+"""SingleStream on the real torch backend: the query log, errors as data, the summary."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from variantbench.backends.base import GenerationRequest
+from variantbench.backends.torch_backend import TorchBackend
+from variantbench.loadgen.records import QueryLog, read_log
+from variantbench.loadgen.single_stream import SingleStreamSettings, run_single_stream, sample_order
+from variantbench.report.schema import Resources
+from variantbench.report.summary import summarize_run
+from variantbench.workloads import SyntheticLibrary
+
+
+class FlakyBackend(TorchBackend):
+    """The real backend, except that every third call raises: the harness is under test here."""
+
+    calls = 0
+
+    def generate(self, requests: list[GenerationRequest]):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise RuntimeError("injected failure")
+        return super().generate(requests)
+
+
+@pytest.fixture(scope="module")
+def library() -> SyntheticLibrary:
+    return SyntheticLibrary(n=6, seed=3, min_words=20, max_words=60)
+
+
+def test_query_log_has_one_line_per_issued_query_including_failures(tiny_model_dir, library, tmp_path) -> None:
+    backend = FlakyBackend(str(tiny_model_dir), "fp32")
+    backend.load()
+    settings = SingleStreamSettings(queries=7, warmup=2, sample_seed=1, max_new_tokens=6)
+    with QueryLog(tmp_path / "q.jsonl") as log:
+        records = run_single_stream(backend, library, settings, log)
+    lines = (tmp_path / "q.jsonl").read_text().splitlines()
+    assert len(lines) == 7 == len(records)
+    logged = read_log(tmp_path / "q.jsonl")
+    assert [r.index for r in logged] == list(range(7))
+    # calls 1-2 are warm-up; calls 3, 6, 9 fail -> measured queries 0, 3, 6
+    failed = [r.index for r in logged if r.status == "error"]
+    assert failed == [0, 3, 6]
+    assert all("injected failure" in (r.error or "") for r in logged if r.status == "error")
+    for r in logged:
+        if r.status == "ok":
+            assert r.issued_ns < r.first_token_ns <= r.completed_ns
+            assert 1 <= r.output_tokens <= 6
+            assert len(r.token_ms) == r.output_tokens
+            assert r.input_tokens > 0
+    run = summarize_run("fp32", logged, Resources())
+    assert run.queries.issued == 7 and run.queries.errors == 3 and run.queries.completed == 4
+    assert run.latency_ms.p50 is not None and run.latency_ms.p50 > 0
+    assert run.ttft_ms.p50 is not None and run.ttft_ms.p50 <= run.latency_ms.p99
+    json.loads(lines[0])  # plain JSON per line
+
+
+def test_backend_pickles_before_load_only(tiny_model_dir) -> None:
+    backend = TorchBackend(str(tiny_model_dir), "int8")
+    clone = pickle.loads(pickle.dumps(backend))
+    assert clone.name == "int8" and clone.model_dir == str(tiny_model_dir)
+    backend.load()
+    with pytest.raises(TypeError):
+        pickle.dumps(backend)
+    backend.close()
+
+
+def test_bad_requests_become_error_results(tiny_model_dir) -> None:
+    backend = TorchBackend(str(tiny_model_dir), "fp32")
+    backend.load()
+    results = backend.generate(
+        [
+            GenerationRequest("a", prompt="hello there", max_new_tokens=4),
+            GenerationRequest("b", prompt="word " * 3000, max_new_tokens=4),  # beyond 2048 positions
+            GenerationRequest("c", prompt=None, max_new_tokens=4),
+        ]
+    )
+    assert [r.status for r in results] == ["ok", "error", "error"]
+    assert "exceeds" in (results[1].error or "")
+    assert results[0].output_tokens >= 1 and results[0].text is not None
+
+
+def test_sample_order_is_seeded_and_covers_the_library() -> None:
+    a, b = sample_order(5, 12, seed=7), sample_order(5, 12, seed=7)
+    assert a == b and len(a) == 12
+    assert sorted(a[:5]) == list(range(5)) and sorted(a[5:10]) == list(range(5))
+    assert sample_order(5, 12, seed=8) != a
+
+
+def test_synthetic_library_is_deterministic_and_answerable() -> None:
+    one, two = SyntheticLibrary(n=9, seed=5), SyntheticLibrary(n=9, seed=5)
+    assert [one.sample(i) for i in range(9)] == [two.sample(i) for i in range(9)]
+    assert {one.sample(i).task for i in range(9)} == {"generation", "qa", "summarization"}
+    for i in range(9):
+        s = one.sample(i)
+        if s.task == "qa":
+            answer = s.reference.removeprefix("the ")
+            assert answer in s.prompt  # the answer is a span of the document
+    assert SyntheticLibrary(n=9, seed=6).sample(0) != one.sample(0)
