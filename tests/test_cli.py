@@ -18,10 +18,10 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> s
     )
 
 
-def _assert_user_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+def _assert_user_error(proc: subprocess.CompletedProcess[str], needle: str, status_lines: int = 0) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()][status_lines:]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error:") and needle in lines[0], lines[0]
 
@@ -92,3 +92,18 @@ def test_variants_command_lists_kinds() -> None:
     assert proc.returncode == 0
     for kind in ("fp32", "bf16", "fp16", "int8"):
         assert kind in proc.stdout
+
+
+def test_garbage_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    proc = _cli("run", "--model", str(bad), "--out", str(tmp_path / "o"), env={"VARIANTBENCH_CACHE": str(tmp_path / "c")})
+    assert proc.stderr.startswith("converting broken.gguf")  # what it was doing when it failed
+    _assert_user_error(proc, "cannot load GGUF", status_lines=1)
+    assert not any((tmp_path / "c" / "models").glob("broken-*"))  # no half-written cache entry
+
+
+def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\x00")
+    _assert_user_error(_cli("run", "--model", str(other), "--out", str(tmp_path / "o")), ".gguf")

@@ -178,7 +178,7 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
     console = console or Console(stderr=True)
     spec = parse_model(plan.model)
     check_writable(plan.out)
-    model_dir = prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    model_dir = prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True))
     library = SyntheticLibrary(n=plan.tasks, seed=plan.seed)
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     report = Report(

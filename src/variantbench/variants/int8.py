@@ -39,5 +39,5 @@ def to_int8(model: nn.Module, recipe: Recipe) -> nn.Module:
         from torch.ao.quantization import per_channel_dynamic_qconfig
 
         return torch.ao.quantization.quantize_dynamic(
-            model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
+            model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
         )
