@@ -215,10 +215,11 @@ class LlamaDecoder:
         start: int,
         attn_mask: torch.Tensor | None,
         is_causal: bool,
+        max_position: int,
     ) -> torch.Tensor:
         """Run all blocks on ``x`` [B, S, H] at cache slots ``start:start+S``; return hidden states."""
         bsz, seq, _ = x.shape
-        cos_t, sin_t = self._rope_tables(int(positions.max()) + 1)
+        cos_t, sin_t = self._rope_tables(max_position + 1)
         cos = cos_t[positions].unsqueeze(1)  # [B, 1, S, D]
         sin = sin_t[positions].unsqueeze(1)
         end = start + seq
@@ -233,14 +234,18 @@ class LlamaDecoder:
             v = qkv[:, :, nq + nkv :].transpose(1, 2)
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
-            attn = F.scaled_dot_product_attention(
-                q,
-                k_cache[:, :, :end],
-                v_cache[:, :, :end],
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                enable_gqa=nq != nkv,
-            )
+            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+            if seq == 1 and nq != nkv:
+                # Decode with grouped-query attention: the G query heads of a group become G query
+                # rows against their one shared KV head, so the cache is never expanded (copied)
+                # to Hq heads; the (key-only) mask broadcasts over the rows.
+                grouped = q.reshape(bsz, nkv, nq // nkv, d)
+                attn = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attn_mask)
+                attn = attn.reshape(bsz, nq, 1, d)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=nq != nkv
+                )
             x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d))
             h = self._rms_norm(x, layer.post_norm)
             gu = layer.gate_up(h)
@@ -314,7 +319,7 @@ class LlamaDecoder:
             prefill_mask, causal_flag = None, seq > 1
 
         x = self._embed(ids)
-        hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag)
+        hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, seq - 1)
         logits = self._logits(hidden[:, -1])
         next_ids = logits.argmax(-1)
         now = clock()
@@ -346,7 +351,7 @@ class LlamaDecoder:
             else:
                 step_mask = None
             x = self._embed(next_ids.unsqueeze(1))
-            hidden = self._forward(x, last_pos.unsqueeze(1), cache, cur, step_mask, False)
+            hidden = self._forward(x, last_pos.unsqueeze(1), cache, cur, step_mask, False, cur)
             next_ids = self._logits(hidden[:, -1]).argmax(-1)
             now = clock()
             step += 1
