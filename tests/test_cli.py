@@ -55,6 +55,12 @@ def test_read_only_output_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
     _assert_user_error(_cli("run", "--model", str(tiny_model_dir), "--out", str(ro)), "not writable")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu(tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = _cli("run", "--model", str(tiny_model_dir), "--device", "cuda", "--out", str(tmp_path))
+    _assert_user_error(proc, "no CUDA device")
+
+
 def test_not_a_model_folder(tmp_path: Path) -> None:
     _assert_user_error(_cli("run", "--model", str(tmp_path), "--out", str(tmp_path / "o")), "config.json")
 

@@ -69,6 +69,11 @@ def run(
         from variantbench.runner import check_writable, execute
 
         parse_model(plan.model)  # fail on a bad path before anything slow
+        if plan.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError(f"--device {plan.device}: torch sees no CUDA device on this machine")
         check_writable(plan.out)
         report = execute(plan, console)
     except UserError as exc:
