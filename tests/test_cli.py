@@ -113,3 +113,42 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
     other = tmp_path / "weights.bin"
     other.write_bytes(b"\x00")
     _assert_user_error(_cli("run", "--model", str(other), "--out", str(tmp_path / "o")), ".gguf")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--scenario", "server"], "needs --rate"),
+        (["--scenario", "server", "--rate", "0"], "--rate"),
+        (["--scenario", "server", "--rate", "-2"], "--rate"),
+        (["--latency-percentile", "100"], "--latency-percentile"),
+        (["--latency-percentile", "0"], "--latency-percentile"),
+        (["--scenario", "bursty"], "unknown scenario"),
+    ],
+)
+def test_bad_load_settings(tmp_path: Path, args: list[str], needle: str) -> None:
+    _assert_user_error(_cli("run", *args, "--out", str(tmp_path)), needle)
+
+
+def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    proc = _cli(
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "20",
+        "--tasks", "6", "--min-queries", "30", "--max-new-tokens", "4", "--latency-target-ms", "2000",
+        "--window", "10", "--no-isolate", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    assert run["scenario"] == "server" and run["target_qps"] == 20
+    assert run["achieved_qps"] == pytest.approx(20, rel=0.1)
+    assert set(run["seeds"]) >= {"schedule", "sample", "workload"}
+    assert run["validity"]["verdict"] in ("VALID", "INVALID") and "reasons" in run["validity"]
+    assert run["validity"]["checks"]["latency"]["target_ms"] == 2000
+    assert set(run["dispatch_lag_ms"]) == {"p50", "p99", "max"} and run["late_share"] is not None
+    assert len(run["windows"]) == 3 and run["windows"][0]["queries"] == 10
+    assert set(run["outliers"]) >= {"removed", "trimmed_mean_latency_ms"}
+    for key in ("latency_from_scheduled_ms", "latency_from_issue_ms"):
+        assert run[key]["p99"] >= run[key]["p50"] > 0
+    assert run["queries"]["issued"] == 30
+    summary = (out / "mlperf_log_summary.fp32.txt").read_text()
+    assert "Scenario : server" in summary and "Result is :" in summary

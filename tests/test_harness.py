@@ -10,7 +10,7 @@ import pytest
 from variantbench.backends.base import GenerationRequest
 from variantbench.backends.torch_backend import TorchBackend
 from variantbench.loadgen.records import QueryLog, read_log
-from variantbench.loadgen.single_stream import SingleStreamSettings, run_single_stream, sample_order
+from variantbench.loadgen.harness import LoadSettings, run_scenario, sample_order
 from variantbench.report.schema import Resources
 from variantbench.report.summary import summarize_run
 from variantbench.workloads import SyntheticLibrary
@@ -36,9 +36,9 @@ def library() -> SyntheticLibrary:
 def test_query_log_has_one_line_per_issued_query_including_failures(tiny_model_dir, library, tmp_path) -> None:
     backend = FlakyBackend(str(tiny_model_dir), "fp32")
     backend.load()
-    settings = SingleStreamSettings(queries=7, warmup=2, sample_seed=1, max_new_tokens=6)
+    settings = LoadSettings(min_queries=7, max_queries=7, warmup=2, sample_seed=1, max_new_tokens=6)
     with QueryLog(tmp_path / "q.jsonl") as log:
-        records = run_single_stream(backend, library, settings, log)
+        records = run_scenario(backend, library, settings, log).records
     lines = (tmp_path / "q.jsonl").read_text().splitlines()
     assert len(lines) == 7 == len(records)
     logged = read_log(tmp_path / "q.jsonl")

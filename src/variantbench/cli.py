@@ -40,6 +40,24 @@ def run(
     ),
     seed: Annotated[int, typer.Option(help="Seed of the workload and the sample order")] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="Override the tasks' output token caps")] = None,
+    scenario: Annotated[
+        str, typer.Option(help="single-stream | multi-stream | server | offline")
+    ] = "single-stream",
+    rate: Annotated[float | None, typer.Option(help="server: target queries/s (Poisson arrivals)")] = None,
+    burstiness: Annotated[float, typer.Option(help="server: gamma shape of arrival gaps; 1.0 = Poisson")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(help="server: cap on outstanding queries")] = None,
+    samples_per_query: Annotated[int, typer.Option(help="multi-stream: samples per query")] = 4,
+    min_queries: Annotated[int | None, typer.Option(help="run at least this many queries (default: --tasks)")] = None,
+    max_queries: Annotated[int | None, typer.Option(help="stop after this many queries")] = None,
+    min_duration: Annotated[float, typer.Option(help="run at least this many seconds")] = 0.0,
+    max_duration: Annotated[float | None, typer.Option(help="stop issuing after this many seconds")] = None,
+    latency_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL latency target (ms)")] = None,
+    ttft_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL time-to-first-token target (ms)")] = None,
+    tpot_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL time-per-output-token target (ms)")] = None,
+    latency_percentile: Annotated[float, typer.Option(help="percentile the targets apply to, in (0,100)")] = 99.0,
+    window: Annotated[int, typer.Option(help="queries per metrics window")] = 50,
+    schedule_seed: Annotated[int, typer.Option(help="seed of the arrival schedule")] = 0,
+    max_batch_size: Annotated[int, typer.Option(help="most waiting requests handed to the model at once")] = 8,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
     isolate: Annotated[bool, typer.Option(help="Run each variant in its own process")] = True,
@@ -61,6 +79,22 @@ def run(
             out=out,
             seed=seed,
             max_new_tokens=max_new_tokens,
+            scenario=scenario,
+            rate=rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            samples_per_query=samples_per_query,
+            min_queries=min_queries,
+            max_queries=max_queries,
+            min_duration=min_duration,
+            max_duration=max_duration,
+            latency_target_ms=latency_target_ms,
+            ttft_target_ms=ttft_target_ms,
+            tpot_target_ms=tpot_target_ms,
+            latency_percentile=latency_percentile,
+            window=window,
+            schedule_seed=schedule_seed,
+            max_batch_size=max_batch_size,
             device=device,
             threads=threads,
             isolate=isolate,
@@ -86,6 +120,14 @@ def run(
         stdout = Console(width=160)  # a file or pipe: don't squeeze the table to 80 columns
     stdout.print(comparison_table(report))
     console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
+    for r in report.runs:
+        if r.status == "ok" and r.validity.verdict != "VALID":
+            console.print(f"[yellow]{r.variant}: INVALID[/yellow] - {'; '.join(r.validity.reasons)}", highlight=False)
+        if r.status == "ok" and (r.late_share or 0) > 0.01:
+            console.print(
+                f"[yellow]warning:[/yellow] {r.variant}: {r.late_share:.1%} of queries issued more than 1 ms late",
+                highlight=False,
+            )
     failed = [r for r in report.runs if r.status != "ok"]
     if failed:
         for r in failed:

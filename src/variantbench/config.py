@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from variantbench.errors import UserError
 
@@ -21,6 +21,22 @@ class RunPlan(BaseModel):
     out: Path = Path("variantbench-out")
     seed: int = Field(0, description="seed of the workload and of the sample order")
     max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' own output caps")
+    scenario: str = "single-stream"
+    rate: float | None = Field(None, gt=0, description="server: target queries/s")
+    burstiness: float = Field(1.0, gt=0, description="server: gamma shape of the arrival gaps; 1.0 = Poisson")
+    max_concurrency: PositiveInt | None = None
+    samples_per_query: PositiveInt = 4
+    min_queries: PositiveInt | None = Field(None, description="default: --tasks")
+    max_queries: PositiveInt | None = None
+    min_duration: float = Field(0.0, ge=0)
+    max_duration: float | None = Field(None, gt=0)
+    latency_target_ms: float | None = Field(None, gt=0)
+    ttft_target_ms: float | None = Field(None, gt=0)
+    tpot_target_ms: float | None = Field(None, gt=0)
+    latency_percentile: float = Field(99.0, gt=0, lt=100)
+    window: PositiveInt = 50
+    schedule_seed: int = 0
+    max_batch_size: PositiveInt = 8
     device: str = "cpu"
     threads: PositiveInt | None = None
     isolate: bool = Field(True, description="run each variant in its own process")
@@ -43,6 +59,25 @@ class RunPlan(BaseModel):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
         return value
 
+    @field_validator("scenario")
+    @classmethod
+    def _scenario(cls, value: str) -> str:
+        from variantbench.loadgen.harness import SCENARIOS
+
+        if value not in SCENARIOS:
+            raise ValueError(f"unknown scenario {value!r}; known: {', '.join(SCENARIOS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunPlan:
+        if self.scenario == "server" and self.rate is None:
+            raise ValueError("the server scenario needs --rate (queries/s)")
+        if self.max_queries is not None and self.max_queries < (self.min_queries or self.tasks):
+            raise ValueError("--max-queries is below the minimum number of queries")
+        if self.max_duration is not None and self.max_duration < self.min_duration:
+            raise ValueError("--max-duration is below --min-duration")
+        return self
+
     @property
     def standard(self) -> str:
         return "fp32" if "fp32" in self.variants else self.variants[0]
@@ -54,5 +89,6 @@ def make_plan(**kwargs: object) -> RunPlan:
         return RunPlan(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "plan"
-        raise UserError(f"--{field.replace('_', '-')}: {err['msg']}") from None
+        field = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        raise UserError(f"--{field.replace('_', '-')}: {message}" if field else message) from None

@@ -28,7 +28,9 @@ from variantbench.config import RunPlan
 from variantbench.errors import UserError
 from variantbench.loadgen.records import QueryLog, QueryRecord
 from variantbench.report.schema import Report, Resources, RunReport
-from variantbench.report.summary import summarize_run
+from variantbench.loadgen.harness import LoadSettings
+from variantbench.report.mlperf import run_summary
+from variantbench.report.summary import Criteria, summarize_run
 from variantbench.workloads.synthetic import SyntheticLibrary
 
 Emit = Callable[[tuple[Any, ...]], None]
@@ -43,17 +45,15 @@ class VariantJob:
     device: str
     threads: int | None
     tasks: int
-    warmup: int
     seed: int
-    max_new_tokens: int | None
     log_path: str
-    run_id: str
+    load: LoadSettings
 
 
 def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
-    """Load one variant, warm it up, run SingleStream; return raw results (no statistics)."""
+    """Load one variant, warm it up, run the scenario; return raw results (no statistics)."""
     from variantbench.backends.torch_backend import TorchBackend
-    from variantbench.loadgen.single_stream import SingleStreamSettings, run_single_stream
+    from variantbench.loadgen.harness import run_scenario
     from variantbench.trackers.memory import RssTracker
 
     library = SyntheticLibrary(n=job.tasks, seed=job.seed)
@@ -62,21 +62,15 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     try:
         load = backend.load()
         load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        settings = SingleStreamSettings(
-            queries=job.tasks,
-            warmup=job.warmup,
-            sample_seed=job.seed,
-            run_id=job.run_id,
-            max_new_tokens=job.max_new_tokens,
-        )
         with QueryLog(job.log_path) as log, RssTracker() as rss:
-            records = run_single_stream(
-                backend, library, settings, log, progress=lambda phase, done, total: emit(("progress", phase, done, total))
+            result = run_scenario(
+                backend, library, job.load, log, progress=lambda phase, done, total: emit(("progress", phase, done, total))
             )
     finally:
         backend.close()
     return {
-        "records": [r.to_json() for r in records],
+        "records": [r.to_json() for r in result.records],
+        "seeds": result.seeds,
         "load": asdict(load),
         "resources": {
             "startup_s": load.startup_s,
@@ -99,10 +93,46 @@ def _worker(job: VariantJob, channel: Any) -> None:
         channel.put(("failed", last))
 
 
-def _summarize(job: VariantJob, payload: dict[str, Any]) -> RunReport:
+def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunReport:
     records = [QueryRecord.from_json(r) for r in payload["records"]]
+    criteria = Criteria(
+        percentile=plan.latency_percentile,
+        latency_target_ms=plan.latency_target_ms,
+        ttft_target_ms=plan.ttft_target_ms,
+        tpot_target_ms=plan.tpot_target_ms,
+        min_queries=job.load.min_queries,
+        min_duration_s=job.load.min_duration_s,
+        window=plan.window,
+        seeds={"workload": plan.seed, **payload["seeds"]},
+        target_qps=plan.rate,
+    )
     return summarize_run(
-        job.variant, records, Resources(**payload["resources"]), backend=payload["load"].get("details", {})
+        job.variant,
+        records,
+        Resources(**payload["resources"]),
+        backend=payload["load"].get("details", {}),
+        scenario=job.load.scenario,
+        criteria=criteria,
+    )
+
+
+def load_settings(plan: RunPlan, run_id: str) -> LoadSettings:
+    return LoadSettings(
+        scenario=plan.scenario,
+        min_queries=plan.min_queries or plan.tasks,
+        max_queries=plan.max_queries,
+        min_duration_s=plan.min_duration,
+        max_duration_s=plan.max_duration,
+        warmup=plan.warmup,
+        rate_qps=plan.rate,
+        burstiness=plan.burstiness,
+        max_concurrency=plan.max_concurrency,
+        samples_per_query=plan.samples_per_query,
+        max_batch_size=plan.max_batch_size,
+        schedule_seed=plan.schedule_seed,
+        sample_seed=plan.seed,
+        max_new_tokens=plan.max_new_tokens,
+        run_id=run_id,
     )
 
 
@@ -160,6 +190,10 @@ def _run_inline(job: VariantJob, display: _Display) -> dict[str, Any]:
         raise RuntimeError(str(exc)) from exc
 
 
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -210,18 +244,17 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
                 device=plan.device,
                 threads=plan.threads,
                 tasks=plan.tasks,
-                warmup=plan.warmup,
                 seed=plan.seed,
-                max_new_tokens=plan.max_new_tokens,
                 log_path=str(log_path),
-                run_id=run_id,
+                load=load_settings(plan, run_id),
             )
             display = _Display(progress, variant)
             started = time.perf_counter()
             try:
                 payload = (_run_isolated if plan.isolate else _run_inline)(job, display)
-                run = _summarize(job, payload)
-                progress.update(display.task, description=f"{variant}: done")
+                run = _summarize(job, payload, plan)
+                (plan.out / f"mlperf_log_summary.{_safe(variant)}.txt").write_text(run_summary(report, run))
+                progress.update(display.task, description=f"{variant}: done ({run.validity.verdict})")
             except Exception as exc:
                 run = RunReport(variant=variant, status="failed", error=str(exc))
                 progress.update(display.task, description=f"[red]{variant}: failed[/red]")

@@ -29,10 +29,21 @@ class QueryRecord:
     token_ms: list[float] = field(default_factory=list)
     output: str = ""
     reference: str = ""
+    query: int = -1  # the query this sample belongs to (multi-stream groups samples; else = index)
 
     @property
     def latency_ms(self) -> float:
+        """From issue to completion."""
         return (self.completed_ns - self.issued_ns) / 1e6
+
+    @property
+    def latency_from_scheduled_ms(self) -> float:
+        """From the scheduled time: includes any lag in issuing it (no coordinated omission)."""
+        return (self.completed_ns - self.scheduled_ns) / 1e6
+
+    @property
+    def dispatch_lag_ms(self) -> float:
+        return (self.issued_ns - self.scheduled_ns) / 1e6
 
     @property
     def ttft_ms(self) -> float | None:
@@ -48,6 +59,7 @@ class QueryRecord:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["latency_ms"] = self.latency_ms
+        data["latency_from_scheduled_ms"] = self.latency_from_scheduled_ms
         data["ttft_ms"] = self.ttft_ms
         data["tpot_ms"] = self.tpot_ms
         return data

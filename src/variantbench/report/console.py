@@ -26,7 +26,8 @@ def comparison_table(report: Report) -> Table:
     base = report.run(report.standard)
     base_ok = base if base is not None and base.status == "ok" else None
     table = Table(
-        title=f"variantbench: {report.model.get('name')} - single-stream, standard = {report.standard}",
+        title=f"variantbench: {report.model.get('name')} - {report.plan.get('scenario', 'single-stream')}, "
+        f"standard = {report.standard}",
         caption="ratios against the standard; green is better. BLEU 0-100, ROUGE-L F 0-1.",
     )
     columns = [
@@ -45,6 +46,7 @@ def comparison_table(report: Report) -> Table:
         ("peak RSS\nMB", "right"),
         ("params\nMB", "right"),
         ("errors", "right"),
+        ("valid", "left"),
     ]
     for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -55,7 +57,7 @@ def comparison_table(report: Report) -> Table:
 
 def _row(run: RunReport, base: RunReport | None) -> list[str]:
     if run.status != "ok":
-        return [run.variant, run.weight_format or "-", f"[red]failed: {run.error}[/red]"] + [""] * 12
+        return [run.variant, run.weight_format or "-", f"[red]failed: {run.error}[/red]"] + [""] * 13
 
     def cmp(get, higher_is_better: bool, fmt: str = "{:.1f}") -> str:  # noqa: ANN001
         value = get(run)
@@ -78,4 +80,5 @@ def _row(run: RunReport, base: RunReport | None) -> list[str]:
         cmp(lambda r: (r.resources.peak_rss_bytes or 0) / mb or None, False, "{:.0f}"),
         cmp(lambda r: (r.resources.param_bytes or 0) / mb or None, False, "{:.0f}"),
         str(run.queries.errors),
+        "[green]VALID[/green]" if run.validity.verdict == "VALID" else "[red]INVALID[/red]",
     ]

@@ -57,6 +57,39 @@ class Resources(_Model):
     param_bytes: int | None = None
 
 
+class LagDist(_Model):
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+class Validity(_Model):
+    verdict: str = "VALID"  # "VALID" | "INVALID"
+    reasons: list[str] = Field(default_factory=list)
+    recommendations: list[str] = Field(default_factory=list)
+    checks: dict[str, Any] = Field(default_factory=dict)  # per target: observed, PASS/FAIL, early stopping
+
+
+class WindowReport(_Model):
+    index: int
+    queries: int
+    p50_latency_ms: float | None = None
+    p99_latency_ms: float | None = None
+    mean_latency_ms: float | None = None
+    qps: float | None = None
+    output_tokens_per_s: float | None = None
+
+
+class Outliers(_Model):
+    """3-sigma rejection on per-query latency and on window throughput; percentiles are never trimmed."""
+
+    removed: int = 0
+    trimmed_mean_latency_ms: float | None = None
+    raw_mean_latency_ms: float | None = None
+    windows_removed: int = 0
+    trimmed_output_tokens_per_s: float | None = None
+
+
 class Queries(_Model):
     issued: int = 0
     completed: int = 0
@@ -68,10 +101,21 @@ class RunReport(_Model):
     status: str = "ok"  # "ok" | "failed"
     error: str | None = None
     scenario: str = "single-stream"
+    seeds: dict[str, int] = Field(default_factory=dict)
     weight_format: str | None = None
     backend: dict[str, Any] = Field(default_factory=dict)
     duration_s: float | None = None
-    latency_ms: LatencyDist = Field(default_factory=LatencyDist)
+    latency_ms: LatencyDist = Field(default_factory=LatencyDist)  # = from scheduled time
+    latency_from_scheduled_ms: LatencyDist = Field(default_factory=LatencyDist)
+    latency_from_issue_ms: LatencyDist = Field(default_factory=LatencyDist)
+    dispatch_lag_ms: LagDist = Field(default_factory=LagDist)
+    late_share: float | None = None  # share of queries issued more than 1 ms after their scheduled time
+    target_qps: float | None = None  # server
+    achieved_qps: float | None = None  # server: issued queries / issue span
+    validity: Validity = Field(default_factory=Validity)
+    windows: list[WindowReport] = Field(default_factory=list)
+    stable: bool | None = None  # last 3 windows' mean latencies within 10%
+    outliers: Outliers = Field(default_factory=Outliers)
     ttft_ms: Tail = Field(default_factory=Tail)
     tpot_ms: Tail = Field(default_factory=Tail)
     throughput: Throughput = Field(default_factory=Throughput)

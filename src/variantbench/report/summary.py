@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import groupby
 
 from variantbench.loadgen.records import QueryRecord
+from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import quality_summary
+from variantbench.metrics.windows import stable, three_sigma, windows
 from variantbench.report.schema import (
+    LagDist,
     LatencyDist,
+    Outliers,
     Quality,
     Queries,
     Resources,
@@ -16,11 +22,37 @@ from variantbench.report.schema import (
     Speed,
     Tail,
     Throughput,
+    Validity,
+    WindowReport,
 )
+
+LATE_NS = 1_000_000  # a query issued more than 1 ms after its scheduled time is late
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """What a run is judged against (the validity rules of the scenario)."""
+
+    percentile: float = 99.0
+    latency_target_ms: float | None = None
+    ttft_target_ms: float | None = None
+    tpot_target_ms: float | None = None
+    min_queries: int = 1
+    min_duration_s: float = 0.0
+    window: int = 50
+    confidence: float = 0.99
+    seeds: dict[str, int] = field(default_factory=dict)
+    target_qps: float | None = None
 
 
 def _tail(values: Sequence[float]) -> Tail:
     return Tail(p50=percentile(values, 50), p99=percentile(values, 99))
+
+
+def _queries(records: Sequence[QueryRecord]) -> list[list[QueryRecord]]:
+    """Samples grouped by the query they belong to (multi-stream); one sample per query otherwise."""
+    ordered = sorted(records, key=lambda r: (r.query if r.query >= 0 else r.index, r.index))
+    return [list(g) for _, g in groupby(ordered, key=lambda r: r.query if r.query >= 0 else r.index)]
 
 
 def summarize_run(
@@ -29,22 +61,34 @@ def summarize_run(
     resources: Resources,
     backend: dict | None = None,
     scenario: str = "single-stream",
+    criteria: Criteria | None = None,
 ) -> RunReport:
+    crit = criteria or Criteria()
     ok = [r for r in records if r.status == "ok"]
     errors = len(records) - len(ok)
-    latencies = [r.latency_ms for r in ok]
+    # per query: the slowest of its samples (multi-stream), counted only if every sample succeeded
+    groups = [g for g in _queries(records) if all(r.status == "ok" for r in g)]
+    from_sched = [max(r.completed_ns for r in g) / 1e6 - min(r.scheduled_ns for r in g) / 1e6 for g in groups]
+    from_issue = [max(r.completed_ns for r in g) / 1e6 - min(r.issued_ns for r in g) / 1e6 for g in groups]
     ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     tpots = [r.tpot_ms for r in ok if r.tpot_ms is not None]
+    lags_ns = [r.issued_ns - r.scheduled_ns for r in records]
     duration_s = None
     throughput = Throughput()
+    achieved_qps = None
     if records:
-        duration_s = (max(r.completed_ns for r in records) - min(r.issued_ns for r in records)) / 1e9
+        start = min(r.scheduled_ns for r in records)
+        duration_s = (max(r.completed_ns for r in records) - start) / 1e9
         if duration_s > 0:
             throughput = Throughput(
-                qps=len(ok) / duration_s,
+                qps=len(groups) / duration_s,
                 output_tokens_per_s=sum(r.output_tokens for r in ok) / duration_s,
             )
-    prefill_s = sum(t for t in ttfts) / 1e3
+        n_queries = len(_queries(records))
+        issue_span_s = (max(r.issued_ns for r in records) - start) / 1e9
+        if scenario == "server" and issue_span_s > 0 and n_queries > 1:
+            achieved_qps = (n_queries - 1) / issue_span_s  # n arrivals span n-1 gaps
+    prefill_s = sum(ttfts) / 1e3
     decode_tokens = sum(max(0, len(r.token_ms) - 1) for r in ok)
     decode_s = sum((r.token_ms[-1] - r.token_ms[0]) / 1e3 for r in ok if len(r.token_ms) > 1)
     speed = Speed(
@@ -55,14 +99,60 @@ def summarize_run(
     )
     # A failed query scores as an empty answer: errors must not flatter a variant's quality.
     quality = Quality(**quality_summary([r.output for r in records], [r.reference for r in records]))
+    ws = windows(records, crit.window) if records else []
+    lat_trim = three_sigma(from_sched)
+    win_trim = three_sigma([w.output_tokens_per_s for w in ws if w.output_tokens_per_s is not None])
+    late_share = sum(1 for lag in lags_ns if lag > LATE_NS) / len(lags_ns) if lags_ns else None
+    targets = [
+        Target(name, limit)
+        for name, limit in (
+            ("latency", crit.latency_target_ms),
+            ("ttft", crit.ttft_target_ms),
+            ("tpot", crit.tpot_target_ms),
+        )
+        if limit is not None
+    ]
+    verdict = judge(
+        {"latency": from_sched, "ttft": ttfts, "tpot": tpots},
+        targets,
+        crit.percentile,
+        issued=len(_queries(records)),
+        min_queries=crit.min_queries,
+        duration_s=duration_s or 0.0,
+        min_duration_s=crit.min_duration_s,
+        late_share=late_share or 0.0,
+        errors=errors,
+        confidence=crit.confidence,
+    )
     backend = dict(backend or {})
     return RunReport(
         variant=variant,
         scenario=scenario,
+        seeds=dict(crit.seeds),
         weight_format=backend.get("weight_format"),
         backend=backend,
         duration_s=duration_s,
-        latency_ms=LatencyDist(**distribution(latencies)),
+        latency_ms=LatencyDist(**distribution(from_sched)),
+        latency_from_scheduled_ms=LatencyDist(**distribution(from_sched)),
+        latency_from_issue_ms=LatencyDist(**distribution(from_issue)),
+        dispatch_lag_ms=LagDist(
+            p50=percentile([x / 1e6 for x in lags_ns], 50),
+            p99=percentile([x / 1e6 for x in lags_ns], 99),
+            max=max(lags_ns) / 1e6 if lags_ns else None,
+        ),
+        late_share=late_share,
+        target_qps=crit.target_qps if scenario == "server" else None,
+        achieved_qps=achieved_qps,
+        validity=Validity(**asdict(verdict)),
+        windows=[WindowReport(**asdict(w)) for w in ws],
+        stable=stable(ws),
+        outliers=Outliers(
+            removed=lat_trim.removed,
+            trimmed_mean_latency_ms=lat_trim.trimmed_mean,
+            raw_mean_latency_ms=lat_trim.raw_mean,
+            windows_removed=win_trim.removed,
+            trimmed_output_tokens_per_s=win_trim.trimmed_mean,
+        ),
         ttft_ms=_tail(ttfts),
         tpot_ms=_tail(tpots),
         throughput=throughput,

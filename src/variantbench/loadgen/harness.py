@@ -1,0 +1,322 @@
+"""The harness: four MLPerf scenarios as issue patterns over one system under test.
+
+- ``single-stream``: the next query is issued when the last completes.
+- ``multi-stream``: each query is ``samples_per_query`` samples issued together; its latency is the
+  slowest sample's; the next query is issued when the last completes.
+- ``server``: arrivals on a schedule drawn before the run (Poisson, or gamma with ``burstiness``),
+  no cap on outstanding queries unless ``max_concurrency`` is given. Latency counts from the
+  *scheduled* time, so a system that falls behind is charged for its queue (no coordinated
+  omission); time spent waiting for a concurrency slot is dispatch lag, charged too.
+- ``offline``: every sample issued at once; the system batches as it likes.
+
+The harness owns time, sample order and the schedule, and completes every issued query exactly
+once: an exception or a missing result becomes an error record, and a query still outstanding at
+the drain deadline is completed as a timeout. It returns the query records and computes no
+statistics. An in-process backend is driven by one executor thread that hands it whatever is
+waiting, up to ``max_batch_size`` requests per ``generate`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+import math
+import queue
+import random
+import sys
+import threading
+import time
+
+from variantbench.backends.base import Backend, GenerationRequest, GenerationResult
+from variantbench.loadgen.records import QueryLog, QueryRecord
+from variantbench.loadgen.schedule import arrival_offsets_ns
+from variantbench.workloads.base import Sample, SampleLibrary
+
+SCENARIOS = ("single-stream", "multi-stream", "server", "offline")
+Progress = Callable[[str, int, int], None]
+
+_SPIN_NS = 2_000_000  # sleep until this close to a deadline, then spin: event-loop sleeps round to ~1 ms
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    scenario: str = "single-stream"
+    min_queries: int = 10
+    max_queries: int | None = None
+    min_duration_s: float = 0.0
+    max_duration_s: float | None = None
+    warmup: int = 1
+    rate_qps: float | None = None  # server
+    burstiness: float = 1.0  # server: gamma shape; 1.0 = Poisson
+    max_concurrency: int | None = None  # server
+    samples_per_query: int = 4  # multi-stream
+    max_batch_size: int = 8  # how many waiting requests the executor hands the backend at once
+    schedule_seed: int = 0
+    sample_seed: int = 0
+    max_new_tokens: int | None = None
+    drain_timeout_s: float = 600.0  # after the last issue, how long outstanding queries may take
+    run_id: str = "run"
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; known: {', '.join(SCENARIOS)}")
+        if self.scenario == "server" and (self.rate_qps is None or self.rate_qps <= 0):
+            raise ValueError("the server scenario needs a positive rate (queries/s)")
+        if self.min_queries < 1:
+            raise ValueError("min_queries must be at least 1")
+        if self.max_queries is not None and self.max_queries < self.min_queries:
+            raise ValueError("max_queries must be at least min_queries")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+
+
+@dataclass
+class RunLog:
+    """What the harness hands back: the records and the facts needed to interpret them."""
+
+    records: list[QueryRecord]
+    scenario: str
+    started_ns: int
+    ended_ns: int
+    seeds: dict[str, int]
+    target_qps: float | None = None
+    issued_queries: int = 0
+    settings: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    record: QueryRecord
+    request: GenerationRequest
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _wait_until(deadline_ns: int) -> None:
+    while True:
+        remaining = deadline_ns - time.perf_counter_ns()
+        if remaining <= 0:
+            return
+        if remaining > _SPIN_NS:
+            time.sleep((remaining - _SPIN_NS) / 1e9)
+
+
+class _Executor:
+    """One thread feeding the backend whatever requests are waiting, in batches."""
+
+    def __init__(self, backend: Backend, max_batch: int, on_complete: Callable[[_Pending, GenerationResult], None]):
+        self.backend = backend
+        self.max_batch = max_batch
+        self.on_complete = on_complete
+        self.inbox: queue.Queue[_Pending | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="variantbench-executor", daemon=True)
+        self.thread.start()
+
+    def submit(self, pending: _Pending) -> None:
+        self.inbox.put(pending)
+
+    def _loop(self) -> None:
+        while True:
+            first = self.inbox.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.inbox.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            try:
+                results = self.backend.generate([p.request for p in batch])
+                by_id = {r.request_id: r for r in results}
+            except Exception as exc:  # the batch fails, the run goes on
+                by_id = {}
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                error = "backend returned no result"
+            for p in batch:
+                result = by_id.get(p.request.request_id) or GenerationResult(
+                    p.request.request_id, status="error", error=error
+                )
+                self.on_complete(p, result)
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        # A backend stuck in generate() is abandoned (daemon thread); its queries were already
+        # completed as timeouts, and the run must not hang on it.
+        self.inbox.put(None)
+        self.thread.join(timeout=timeout_s)
+
+
+def sample_order(n_library: int, n_queries: int, seed: int) -> list[int]:
+    """Seeded order: a permutation of the library, repeated (and reshuffled) as often as needed."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while len(order) < n_queries:
+        block = list(range(n_library))
+        rng.shuffle(block)
+        order.extend(block)
+    return order[:n_queries]
+
+
+def _request(sample: Sample, tag: str, max_new_tokens: int | None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=tag, prompt=sample.prompt, max_new_tokens=max_new_tokens or sample.max_new_tokens
+    )
+
+
+def run_scenario(
+    backend: Backend,
+    library: SampleLibrary,
+    settings: LoadSettings,
+    log: QueryLog | None = None,
+    progress: Progress | None = None,
+) -> RunLog:
+    say = progress or (lambda *_: None)
+    s = settings
+    cap = s.max_queries or max(s.min_queries, 1_000_000)
+    if s.scenario == "server":
+        planned = max(s.min_queries, math.ceil((s.rate_qps or 0) * s.min_duration_s))
+        planned = min(planned, cap)
+    elif s.scenario == "offline":
+        planned = min(cap, s.min_queries)
+    else:
+        planned = cap  # issued until the limits are met
+    per_query = s.samples_per_query if s.scenario == "multi-stream" else 1
+    # the sample order is drawn once; a run longer than it cycles through it again
+    order = sample_order(len(library), min(planned, 4 * max(s.min_queries, len(library))) * per_query, s.sample_seed)
+
+    lock = threading.Lock()
+    records: list[QueryRecord] = []
+    completed = 0
+    total_for_progress = planned if planned < 1_000_000 else s.min_queries
+    slots = threading.Semaphore(s.max_concurrency) if s.max_concurrency else None
+
+    def complete(p: _Pending, result: GenerationResult) -> None:
+        nonlocal completed
+        now = time.perf_counter_ns()
+        with lock:
+            if p.done.is_set():  # completed already (as a timeout): exactly once
+                return
+            _fill(p.record, result, now)
+            records.append(p.record)
+            completed += 1
+            if log is not None:
+                log.append(p.record)
+            p.done.set()
+        if slots is not None:
+            slots.release()
+        say("measure", completed, total_for_progress)
+
+    def _fill(r: QueryRecord, result: GenerationResult, now: int) -> None:
+        ok = result.status == "ok"
+        r.status, r.error = result.status, result.error
+        r.completed_ns = now
+        if ok:
+            if result.first_token_ns is not None:
+                r.first_token_ns = max(result.first_token_ns, r.issued_ns)
+            r.input_tokens = result.input_tokens
+            r.output_tokens = result.output_tokens
+            r.token_ms = [(max(t, r.issued_ns) - r.issued_ns) / 1e6 for t in result.token_ns]
+            r.output = result.text
+        else:
+            r.input_tokens = result.input_tokens
+
+    executor = _Executor(backend, s.max_batch_size if s.scenario != "single-stream" else 1, complete)
+    pendings: list[_Pending] = []
+    # The dispatcher shares the interpreter with the executor: a short GIL switch interval lets it
+    # wake on time (the default 5 ms would make arrivals late by design). Restored afterwards.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch_interval, 0.0002))
+    try:
+        # warm-up: one at a time, never counted or logged
+        for i in range(s.warmup):
+            sample = library.sample(order[i % len(order)])
+            try:
+                backend.generate([_request(sample, f"warmup{i}", s.max_new_tokens)])
+            except Exception:  # noqa: BLE001 - a failing warm-up shows up in the measured queries
+                pass
+            say("warmup", i + 1, s.warmup)
+
+        offsets = (
+            arrival_offsets_ns(planned, s.rate_qps or 1.0, s.schedule_seed, s.burstiness)
+            if s.scenario == "server"
+            else None
+        )
+        started = time.perf_counter_ns()
+        max_end = started + int(s.max_duration_s * 1e9) if s.max_duration_s else None
+        query = 0
+        sample_cursor = 0
+
+        def make(query_index: int, scheduled: int) -> list[_Pending]:
+            nonlocal sample_cursor
+            group = []
+            for _ in range(per_query):
+                sample = library.sample(order[sample_cursor % len(order)])
+                sample_cursor += 1
+                rec = QueryRecord(
+                    run_id=s.run_id, variant=backend.name, scenario=s.scenario, index=sample_cursor - 1,
+                    sample_id=sample.sample_id, task=sample.task, status="pending", error=None,
+                    scheduled_ns=scheduled, issued_ns=0, first_token_ns=None, completed_ns=0,
+                    input_tokens=0, output_tokens=0, reference=sample.reference, query=query_index,
+                )  # fmt: skip
+                group.append(_Pending(rec, _request(sample, f"q{sample_cursor - 1}", s.max_new_tokens)))
+            return group
+
+        def issue(group: list[_Pending]) -> None:
+            now = time.perf_counter_ns()
+            for p in group:
+                p.record.issued_ns = now
+                pendings.append(p)
+                executor.submit(p)
+
+        def limits_met(now: int) -> bool:
+            enough = query >= s.min_queries and now - started >= s.min_duration_s * 1e9
+            return enough or query >= cap or (max_end is not None and now >= max_end)
+
+        if s.scenario in ("single-stream", "multi-stream"):
+            while not limits_met(time.perf_counter_ns()):
+                group = make(query, time.perf_counter_ns())
+                issue(group)
+                for p in group:
+                    p.done.wait()
+                query += 1
+        elif s.scenario == "offline":
+            groups = [make(q, started) for q in range(planned)]
+            issue([p for g in groups for p in g])
+            query = planned
+        else:  # server
+            assert offsets is not None
+            for offset in offsets:
+                scheduled = started + offset
+                if max_end is not None and scheduled >= max_end:
+                    break
+                group = make(query, scheduled)
+                _wait_until(scheduled)
+                if slots is not None:
+                    slots.acquire()  # waiting here is dispatch lag, and counts in latency
+                issue(group)
+                query += 1
+
+        deadline = time.perf_counter_ns() + int(s.drain_timeout_s * 1e9)
+        for p in pendings:
+            remaining = (deadline - time.perf_counter_ns()) / 1e9
+            if not p.done.wait(timeout=max(0.0, remaining)):
+                complete(p, GenerationResult(p.request.request_id, status="error", error="timed out"))
+        ended = time.perf_counter_ns()
+    finally:
+        sys.setswitchinterval(switch_interval)
+        executor.close()
+    records.sort(key=lambda r: r.index)
+    return RunLog(
+        records=records,
+        scenario=s.scenario,
+        started_ns=started,
+        ended_ns=ended,
+        seeds={"schedule": s.schedule_seed, "sample": s.sample_seed},
+        target_qps=s.rate_qps if s.scenario == "server" else None,
+        issued_queries=query,
+        settings={k: v for k, v in s.__dict__.items()},
+    )

@@ -1,0 +1,80 @@
+"""Windows of completed queries, the stability rule, and 3-sigma outlier rejection.
+
+Windows: every ``size`` completed queries (in completion order), that window's p50/p99 latency,
+queries/s and output tokens/s over its own span. Stability: the last three windows' mean
+latencies lie within 10% of their mean. Outliers: values beyond 3 standard deviations of the mean
+are left out of the *trimmed* mean; percentiles are always computed on every query, never trimmed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+import statistics
+
+from variantbench.loadgen.records import QueryRecord
+from variantbench.metrics.latency import percentile
+
+
+@dataclass
+class Window:
+    index: int
+    queries: int
+    p50_latency_ms: float | None
+    p99_latency_ms: float | None
+    mean_latency_ms: float | None
+    qps: float | None
+    output_tokens_per_s: float | None
+
+
+def windows(records: Sequence[QueryRecord], size: int = 50) -> list[Window]:
+    if size < 1:
+        raise ValueError("window size must be at least 1")
+    done = sorted(records, key=lambda r: r.completed_ns)
+    out: list[Window] = []
+    previous_end = min((r.issued_ns for r in done), default=0)
+    for i in range(0, len(done) - size + 1, size):
+        chunk = done[i : i + size]
+        ok = [r for r in chunk if r.status == "ok"]
+        lat = [r.latency_from_scheduled_ms for r in ok]
+        span_s = (chunk[-1].completed_ns - previous_end) / 1e9
+        previous_end = chunk[-1].completed_ns
+        out.append(
+            Window(
+                index=len(out),
+                queries=len(chunk),
+                p50_latency_ms=percentile(lat, 50),
+                p99_latency_ms=percentile(lat, 99),
+                mean_latency_ms=statistics.fmean(lat) if lat else None,
+                qps=len(ok) / span_s if span_s > 0 else None,
+                output_tokens_per_s=sum(r.output_tokens for r in ok) / span_s if span_s > 0 else None,
+            )
+        )
+    return out
+
+
+def stable(ws: Sequence[Window], last: int = 3, tolerance: float = 0.10) -> bool | None:
+    """Whether the last ``last`` windows' mean latencies are within ``tolerance`` of their mean."""
+    means = [w.mean_latency_ms for w in ws[-last:] if w.mean_latency_ms is not None]
+    if len(ws) < last or len(means) < last:
+        return None  # not enough windows to say
+    centre = statistics.fmean(means)
+    return all(abs(m - centre) <= tolerance * centre for m in means)
+
+
+@dataclass
+class Trimmed:
+    removed: int
+    trimmed_mean: float | None
+    raw_mean: float | None
+
+
+def three_sigma(values: Sequence[float]) -> Trimmed:
+    if not values:
+        return Trimmed(0, None, None)
+    raw = statistics.fmean(values)
+    if len(values) < 3:
+        return Trimmed(0, raw, raw)
+    sd = statistics.pstdev(values)
+    kept = [v for v in values if abs(v - raw) <= 3 * sd] if sd > 0 else list(values)
+    return Trimmed(len(values) - len(kept), statistics.fmean(kept), raw)
