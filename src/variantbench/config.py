@@ -21,6 +21,10 @@ class RunPlan(BaseModel):
     out: Path = Path("variantbench-out")
     seed: int = Field(0, description="seed of the workload and of the sample order")
     max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' own output caps")
+    endpoint: str | None = Field(None, description="measure a running OpenAI-compatible server instead")
+    endpoint_model: str | None = None
+    api: str = Field("completions", pattern="^(completions|chat)$")
+    request_timeout: float = Field(120.0, gt=0)
     scenario: str = "single-stream"
     rate: float | None = Field(None, gt=0, description="server: target queries/s")
     burstiness: float = Field(1.0, gt=0, description="server: gamma shape of the arrival gaps; 1.0 = Poisson")
@@ -77,6 +81,11 @@ class RunPlan(BaseModel):
         if self.max_duration is not None and self.max_duration < self.min_duration:
             raise ValueError("--max-duration is below --min-duration")
         return self
+
+    @property
+    def run_names(self) -> tuple[str, ...]:
+        """What each run is called: the variants, or the endpoint's model for an endpoint run."""
+        return (self.endpoint_model or "endpoint",) if self.endpoint else self.variants
 
     @property
     def standard(self) -> str:

@@ -48,16 +48,29 @@ class VariantJob:
     seed: int
     log_path: str
     load: LoadSettings
+    endpoint: str | None = None
+    endpoint_model: str | None = None
+    api: str = "completions"
+    request_timeout: float = 120.0
+
+    def backend(self) -> Any:
+        if self.endpoint:
+            from variantbench.backends.openai_http import OpenAIBackend
+
+            return OpenAIBackend(self.endpoint, model=self.endpoint_model, api=self.api,
+                                 timeout_s=self.request_timeout)  # fmt: skip
+        from variantbench.backends.torch_backend import TorchBackend
+
+        return TorchBackend(self.model_dir, self.variant, device=self.device, threads=self.threads)
 
 
 def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     """Load one variant, warm it up, run the scenario; return raw results (no statistics)."""
-    from variantbench.backends.torch_backend import TorchBackend
     from variantbench.loadgen.harness import run_scenario
     from variantbench.trackers.memory import RssTracker
 
     library = SyntheticLibrary(n=job.tasks, seed=job.seed)
-    backend = TorchBackend(job.model_dir, job.variant, device=job.device, threads=job.threads)
+    backend = job.backend()
     emit(("status", f"loading {job.variant}"))
     try:
         load = backend.load()
@@ -69,6 +82,7 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     finally:
         backend.close()
     return {
+        "name": backend.name,
         "records": [r.to_json() for r in result.records],
         "seeds": result.seeds,
         "load": asdict(load),
@@ -107,7 +121,7 @@ def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunRe
         target_qps=plan.rate,
     )
     return summarize_run(
-        job.variant,
+        payload.get("name") or job.variant,
         records,
         Resources(**payload["resources"]),
         backend=payload["load"].get("details", {}),
@@ -207,19 +221,27 @@ def check_writable(out: Path) -> None:
 def execute(plan: RunPlan, console: Console | None = None) -> Report:
     """Run the plan; return the report (also written to ``plan.out / report.json``)."""
     from variantbench.environment import describe_environment
-    from variantbench.models import parse_model, prepare_model
+    from variantbench.models import ModelSpec, parse_model, prepare_model
 
     console = console or Console(stderr=True)
-    spec = parse_model(plan.model)
     check_writable(plan.out)
-    model_dir = prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True))
+    if plan.endpoint:
+        from variantbench.backends.openai_http import OpenAIBackend
+
+        probe = OpenAIBackend(plan.endpoint, model=plan.endpoint_model, api=plan.api, timeout_s=plan.request_timeout)
+        probe.load()  # unreachable or garbage: one clear line, before any measurement
+        spec = ModelSpec(kind="endpoint", path=plan.endpoint, name=probe.model or "endpoint")
+        model_dir = ""
+    else:
+        spec = parse_model(plan.model)
+        model_dir = str(prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True)))
     library = SyntheticLibrary(n=plan.tasks, seed=plan.seed)
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     report = Report(
         tool_version=__version__,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        model={"name": spec.name, "kind": spec.kind, "source": spec.path, "hf_dir": str(model_dir)},
-        standard=plan.standard,
+        model={"name": spec.name, "kind": spec.kind, "source": spec.path, "hf_dir": model_dir or None},
+        standard=spec.name if plan.endpoint else plan.standard,
         plan=plan.model_dump(mode="json"),
         workload=library.describe(),
         environment=describe_environment(),
@@ -237,9 +259,9 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
         transient=False,
     )
     with progress:
-        for variant in plan.variants:
+        for variant in ((spec.name,) if plan.endpoint else plan.variants):
             job = VariantJob(
-                model_dir=str(model_dir),
+                model_dir=model_dir,
                 variant=variant,
                 device=plan.device,
                 threads=plan.threads,
@@ -247,11 +269,17 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
                 seed=plan.seed,
                 log_path=str(log_path),
                 load=load_settings(plan, run_id),
+                endpoint=plan.endpoint,
+                endpoint_model=spec.name if plan.endpoint else None,
+                api=plan.api,
+                request_timeout=plan.request_timeout,
             )
             display = _Display(progress, variant)
             started = time.perf_counter()
             try:
-                payload = (_run_isolated if plan.isolate else _run_inline)(job, display)
+                # an endpoint run loads nothing here: measuring it from this process is enough
+                isolated = plan.isolate and not plan.endpoint
+                payload = (_run_isolated if isolated else _run_inline)(job, display)
                 run = _summarize(job, payload, plan)
                 (plan.out / f"mlperf_log_summary.{_safe(variant)}.txt").write_text(run_summary(report, run))
                 progress.update(display.task, description=f"{variant}: done ({run.validity.verdict})")

@@ -18,6 +18,8 @@ waiting, up to ``max_batch_size`` requests per ``generate`` call.
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 import math
@@ -26,6 +28,7 @@ import random
 import sys
 import threading
 import time
+from typing import Any
 
 from variantbench.backends.base import Backend, GenerationRequest, GenerationResult
 from variantbench.loadgen.records import QueryLog, QueryRecord
@@ -35,7 +38,10 @@ from variantbench.workloads.base import Sample, SampleLibrary
 SCENARIOS = ("single-stream", "multi-stream", "server", "offline")
 Progress = Callable[[str, int, int], None]
 
-_SPIN_NS = 2_000_000  # sleep until this close to a deadline, then spin: event-loop sleeps round to ~1 ms
+# Sleep (releasing the GIL) until this close to an arrival, then spin. Event-loop timers round to
+# about 1 ms; a thread's nanosleep wakes within tens of microseconds, and a short spin keeps a
+# spinning dispatcher from starving the threads that complete queries of the GIL.
+_SPIN_NS = 250_000
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,13 @@ class RunLog:
     settings: dict[str, object] = field(default_factory=dict)
 
 
-@dataclass
 class _Pending:
-    record: QueryRecord
-    request: GenerationRequest
-    done: threading.Event = field(default_factory=threading.Event)
+    __slots__ = ("record", "request", "done")
+
+    def __init__(self, record: QueryRecord, request: GenerationRequest) -> None:
+        self.record = record
+        self.request = request
+        self.done = False  # set under the harness's lock, exactly once
 
 
 def _wait_until(deadline_ns: int) -> None:
@@ -103,32 +111,30 @@ def _wait_until(deadline_ns: int) -> None:
 class _Executor:
     """One thread feeding the backend whatever requests are waiting, in batches."""
 
-    def __init__(self, backend: Backend, max_batch: int, on_complete: Callable[[_Pending, GenerationResult], None]):
+    def __init__(self, backend: Backend, max_batch: int, on_complete: Callable[[list[_Pending], list[GenerationResult]], None]):
         self.backend = backend
         self.max_batch = max_batch
         self.on_complete = on_complete
-        self.inbox: queue.Queue[_Pending | None] = queue.Queue()
+        self.inbox: deque[_Pending] = deque()
+        self.ready = threading.Condition()
+        self.closing = False
         self.thread = threading.Thread(target=self._loop, name="variantbench-executor", daemon=True)
         self.thread.start()
 
-    def submit(self, pending: _Pending) -> None:
-        self.inbox.put(pending)
+    def submit(self, pendings: list[_Pending]) -> None:
+        with self.ready:
+            self.inbox.extend(pendings)
+            self.ready.notify()
 
     def _loop(self) -> None:
         while True:
-            first = self.inbox.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < self.max_batch:
-                try:
-                    item = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.inbox.put(None)  # stop after this batch
-                    break
-                batch.append(item)
+            with self.ready:
+                while not self.inbox and not self.closing:
+                    self.ready.wait()
+                if not self.inbox:
+                    return
+                take = min(self.max_batch, len(self.inbox))
+                batch = [self.inbox.popleft() for _ in range(take)]
             try:
                 results = self.backend.generate([p.request for p in batch])
                 by_id = {r.request_id: r for r in results}
@@ -137,17 +143,72 @@ class _Executor:
                 error = f"{type(exc).__name__}: {exc}"
             else:
                 error = "backend returned no result"
-            for p in batch:
-                result = by_id.get(p.request.request_id) or GenerationResult(
-                    p.request.request_id, status="error", error=error
-                )
-                self.on_complete(p, result)
+            self.on_complete(
+                batch,
+                [by_id.get(p.request.request_id) or GenerationResult(p.request.request_id, status="error", error=error)
+                 for p in batch],
+            )  # fmt: skip
 
     def close(self, timeout_s: float = 1.0) -> None:
         # A backend stuck in generate() is abandoned (daemon thread); its queries were already
         # completed as timeouts, and the run must not hang on it.
-        self.inbox.put(None)
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
         self.thread.join(timeout=timeout_s)
+
+
+class _AsyncExecutor:
+    """For backends that serve many requests at once (HTTP): one event loop in its own thread.
+
+    The dispatcher keeps its precise timing on the calling thread and hands each request to the
+    loop; every request runs as its own task, so nothing queues in the harness.
+    """
+
+    def __init__(self, backend: Any, on_complete: Callable[[list[_Pending], list[GenerationResult]], None]):
+        self.backend = backend
+        self.on_complete = on_complete
+        try:  # uvloop spends less time (and GIL) per I/O event than asyncio's own loop
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency, but not on every platform
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="variantbench-loop", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(backend.astart(), self.loop).result()
+
+    async def _one(self, pending: _Pending) -> None:
+        try:
+            result = await self.backend.agenerate(pending.request)
+        except Exception as exc:  # a backend bug is a failed query, not a dead run
+            result = GenerationResult(pending.request.request_id, status="error", error=f"{type(exc).__name__}: {exc}")
+        self.on_complete([pending], [result])
+
+    def _start(self, pendings: list[_Pending]) -> None:
+        for p in pendings:
+            self.loop.create_task(self._one(p))
+
+    def submit(self, pendings: list[_Pending]) -> None:
+        self.loop.call_soon_threadsafe(self._start, pendings)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.backend.aclose()
+            await self.loop.shutdown_asyncgens()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - closing must not raise over the run's result
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=timeout_s)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def sample_order(n_library: int, n_queries: int, seed: int) -> list[int]:
@@ -188,27 +249,34 @@ def run_scenario(
     # the sample order is drawn once; a run longer than it cycles through it again
     order = sample_order(len(library), min(planned, 4 * max(s.min_queries, len(library))) * per_query, s.sample_seed)
 
-    lock = threading.Lock()
+    lock = threading.Condition()
     records: list[QueryRecord] = []
-    completed = 0
+    state = {"completed": 0, "last_progress": 0}
     total_for_progress = planned if planned < 1_000_000 else s.min_queries
     slots = threading.Semaphore(s.max_concurrency) if s.max_concurrency else None
 
-    def complete(p: _Pending, result: GenerationResult) -> None:
-        nonlocal completed
+    def complete(batch: list[_Pending], results: list[GenerationResult]) -> None:
         now = time.perf_counter_ns()
+        freed = 0
         with lock:
-            if p.done.is_set():  # completed already (as a timeout): exactly once
-                return
-            _fill(p.record, result, now)
-            records.append(p.record)
-            completed += 1
-            if log is not None:
-                log.append(p.record)
-            p.done.set()
+            for p, result in zip(batch, results, strict=True):
+                if p.done:  # completed already (as a timeout): exactly once
+                    continue
+                p.done = True
+                _fill(p.record, result, now)
+                records.append(p.record)
+                if log is not None:
+                    log.append(p.record)
+                freed += 1
+            state["completed"] += freed
+            done = state["completed"]
+            lock.notify_all()
         if slots is not None:
-            slots.release()
-        say("measure", completed, total_for_progress)
+            for _ in range(freed):
+                slots.release()
+        if now - state["last_progress"] > 100_000_000 or done == total_for_progress:  # at most 10/s
+            state["last_progress"] = now
+            say("measure", done, total_for_progress)
 
     def _fill(r: QueryRecord, result: GenerationResult, now: int) -> None:
         ok = result.status == "ok"
@@ -224,12 +292,17 @@ def run_scenario(
         else:
             r.input_tokens = result.input_tokens
 
-    executor = _Executor(backend, s.max_batch_size if s.scenario != "single-stream" else 1, complete)
+    executor: _Executor | _AsyncExecutor
+    if getattr(backend, "concurrent", False) and hasattr(backend, "agenerate"):
+        executor = _AsyncExecutor(backend, complete)
+    else:
+        executor = _Executor(backend, s.max_batch_size if s.scenario != "single-stream" else 1, complete)
     pendings: list[_Pending] = []
-    # The dispatcher shares the interpreter with the executor: a short GIL switch interval lets it
-    # wake on time (the default 5 ms would make arrivals late by design). Restored afterwards.
+    # The dispatcher shares the interpreter with the executor: on a timed schedule, a short GIL
+    # switch interval lets it wake on time (the default 5 ms would make arrivals late by design).
     switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch_interval, 0.0002))
+    if s.scenario == "server":
+        sys.setswitchinterval(min(switch_interval, 0.0002))
     try:
         # warm-up: one at a time, never counted or logged
         for i in range(s.warmup):
@@ -269,8 +342,8 @@ def run_scenario(
             now = time.perf_counter_ns()
             for p in group:
                 p.record.issued_ns = now
-                pendings.append(p)
-                executor.submit(p)
+            pendings.extend(group)
+            executor.submit(group)
 
         def limits_met(now: int) -> bool:
             enough = query >= s.min_queries and now - started >= s.min_duration_s * 1e9
@@ -280,8 +353,8 @@ def run_scenario(
             while not limits_met(time.perf_counter_ns()):
                 group = make(query, time.perf_counter_ns())
                 issue(group)
-                for p in group:
-                    p.done.wait()
+                with lock:
+                    lock.wait_for(lambda g=group: all(p.done for p in g))
                 query += 1
         elif s.scenario == "offline":
             groups = [make(q, started) for q in range(planned)]
@@ -300,11 +373,11 @@ def run_scenario(
                 issue(group)
                 query += 1
 
-        deadline = time.perf_counter_ns() + int(s.drain_timeout_s * 1e9)
-        for p in pendings:
-            remaining = (deadline - time.perf_counter_ns()) / 1e9
-            if not p.done.wait(timeout=max(0.0, remaining)):
-                complete(p, GenerationResult(p.request.request_id, status="error", error="timed out"))
+        with lock:
+            lock.wait_for(lambda: state["completed"] >= len(pendings), timeout=s.drain_timeout_s)
+        late = [p for p in pendings if not p.done]
+        if late:
+            complete(late, [GenerationResult(p.request.request_id, status="error", error="timed out") for p in late])
         ended = time.perf_counter_ns()
     finally:
         sys.setswitchinterval(switch_interval)

@@ -1,0 +1,119 @@
+"""Measure the harness itself on this machine (MLPerf's null-system practice).
+
+1. In-process: a system that completes every request instantly; queries/s through the harness and
+   the harness's cost per query.
+2. Over HTTP: the no-op OpenAI server in its own process on 127.0.0.1; Poisson rates rise until the
+   run no longer holds: the highest rate sustained is the last one whose achieved issue rate is within
+   1% of the target, with p99 dispatch lag under 1 ms and no errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+import time
+
+from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
+from variantbench.loadgen.harness import LoadSettings, run_scenario
+from variantbench.report.schema import Resources
+from variantbench.report.summary import summarize_run
+from variantbench.workloads import SyntheticLibrary
+
+
+class NullSystem:
+    """Completes every request at once with one token: what is left is the harness."""
+
+    name = "null"
+
+    def load(self) -> LoadInfo:
+        return LoadInfo(0.0, 0)
+
+    def info(self) -> dict:
+        return {"backend": "null"}
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        now = time.perf_counter_ns()
+        return [
+            GenerationResult(r.request_id, text="x", input_tokens=1, output_tokens=1, start_ns=now,
+                             first_token_ns=now, token_ns=[now], end_ns=now)
+            for r in requests
+        ]  # fmt: skip
+
+
+def _library() -> SyntheticLibrary:
+    return SyntheticLibrary(n=64, seed=0, min_words=5, max_words=10)
+
+
+@dataclass
+class InProcessResult:
+    queries: int
+    queries_per_s: float
+    overhead_us_per_query: float
+
+
+def in_process(queries: int = 200_000, scenario: str = "offline") -> InProcessResult:
+    settings = LoadSettings(scenario=scenario, min_queries=queries, max_queries=queries, warmup=0,
+                            max_batch_size=4096)  # fmt: skip
+    run = run_scenario(NullSystem(), _library(), settings)
+    seconds = (run.ended_ns - run.started_ns) / 1e9
+    return InProcessResult(len(run.records), len(run.records) / seconds, seconds / len(run.records) * 1e6)
+
+
+@dataclass
+class RateResult:
+    target_qps: float
+    achieved_qps: float | None
+    lag_p99_ms: float | None
+    late_share: float | None
+    errors: int
+    latency_p99_ms: float | None
+    sustained: bool
+
+
+def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0) -> RateResult:
+    from variantbench.backends.openai_http import OpenAIBackend
+
+    backend = OpenAIBackend(url)
+    backend.load()
+    n = max(50, int(rate * seconds))
+    settings = LoadSettings(scenario="server", rate_qps=rate, min_queries=n, max_queries=n, warmup=20,
+                            max_new_tokens=8, schedule_seed=seed, drain_timeout_s=30)  # fmt: skip
+    run = run_scenario(backend, _library(), settings)
+    report = summarize_run("noop", run.records, Resources(), scenario="server")
+    achieved = report.achieved_qps
+    lag = report.dispatch_lag_ms.p99
+    sustained = (
+        achieved is not None
+        and abs(achieved - rate) <= 0.01 * rate
+        and lag is not None
+        and lag < 1.0
+        and report.queries.errors == 0
+    )
+    return RateResult(rate, achieved, lag, report.late_share, report.queries.errors, report.latency_ms.p99, sustained)
+
+
+def sustained_rate(
+    url: str,
+    rates: Sequence[float] = (100, 200, 400, 600, 800, 1200, 1600, 2400, 3200),
+    seconds: float = 3.0,
+    report: Callable[[RateResult], None] | None = None,
+) -> tuple[float | None, list[RateResult]]:
+    """Rates in increasing order until two in a row fail; the highest sustained one."""
+    results: list[RateResult] = []
+    best = None
+    failures = 0
+    for rate in rates:
+        result = http_rate(url, rate, seconds)
+        results.append(result)
+        if report:
+            report(result)
+        if result.sustained:
+            best, failures = rate, 0
+        else:
+            failures += 1
+            if failures >= 2:
+                break
+    return best, results
