@@ -64,6 +64,9 @@ def run(
     window: Annotated[int, typer.Option(help="queries per metrics window")] = 50,
     schedule_seed: Annotated[int, typer.Option(help="seed of the arrival schedule")] = 0,
     max_batch_size: Annotated[int, typer.Option(help="most waiting requests handed to the model at once")] = 8,
+    find_peak: Annotated[
+        bool, typer.Option(help="server: raise the rate until the latency target fails, then bisect")
+    ] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
     isolate: Annotated[bool, typer.Option(help="Run each variant in its own process")] = True,
@@ -105,6 +108,7 @@ def run(
             window=window,
             schedule_seed=schedule_seed,
             max_batch_size=max_batch_size,
+            find_peak=find_peak,
             device=device,
             threads=threads,
             isolate=isolate,
@@ -132,6 +136,9 @@ def run(
     stdout.print(comparison_table(report))
     console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
     for r in report.runs:
+        if r.peak is not None:
+            peak = f"{r.peak.peak_qps:.3g} queries/s" if r.peak.peak_qps else "none of the rates tried passed"
+            console.print(f"{r.variant}: peak rate meeting the targets: {peak} ({len(r.peak.trials)} trials)")
         if r.status == "ok" and r.validity.verdict != "VALID":
             console.print(f"[yellow]{r.variant}: INVALID[/yellow] - {'; '.join(r.validity.reasons)}", highlight=False)
         if r.status == "ok" and (r.late_share or 0) > 0.01:

@@ -41,6 +41,7 @@ class RunPlan(BaseModel):
     window: PositiveInt = 50
     schedule_seed: int = 0
     max_batch_size: PositiveInt = 8
+    find_peak: bool = False
     device: str = "cpu"
     threads: PositiveInt | None = None
     isolate: bool = Field(True, description="run each variant in its own process")
@@ -76,6 +77,8 @@ class RunPlan(BaseModel):
     def _consistent(self) -> RunPlan:
         if self.scenario == "server" and self.rate is None:
             raise ValueError("the server scenario needs --rate (queries/s)")
+        if self.find_peak and (self.scenario != "server" or not self.latency_target_ms):
+            raise ValueError("--find-peak needs --scenario server, a starting --rate and --latency-target-ms")
         if self.max_queries is not None and self.max_queries < (self.min_queries or self.tasks):
             raise ValueError("--max-queries is below the minimum number of queries")
         if self.max_duration is not None and self.max_duration < self.min_duration:

@@ -10,7 +10,7 @@ was measured.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 import datetime as dt
 import multiprocessing as mp
 from pathlib import Path
@@ -27,7 +27,7 @@ from variantbench import __version__
 from variantbench.config import RunPlan
 from variantbench.errors import UserError
 from variantbench.loadgen.records import QueryLog, QueryRecord
-from variantbench.report.schema import Report, Resources, RunReport
+from variantbench.report.schema import PeakSearch, Report, Resources, RunReport
 from variantbench.loadgen.harness import LoadSettings
 from variantbench.report.mlperf import run_summary
 from variantbench.report.summary import Criteria, summarize_run
@@ -52,6 +52,8 @@ class VariantJob:
     endpoint_model: str | None = None
     api: str = "completions"
     request_timeout: float = 120.0
+    find_peak: bool = False
+    criteria: Criteria | None = None
 
     def backend(self) -> Any:
         if self.endpoint:
@@ -75,14 +77,21 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     try:
         load = backend.load()
         load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        def progress(phase: str, done: int, total: int) -> None:
+            emit(("progress", phase, done, total))
+
+        trials: list[dict[str, Any]] = []
         with QueryLog(job.log_path) as log, RssTracker() as rss:
-            result = run_scenario(
-                backend, library, job.load, log, progress=lambda phase, done, total: emit(("progress", phase, done, total))
-            )
+            if job.find_peak:
+                result, trials = _find_peak(job, backend, library, log, progress, emit)
+            else:
+                result = run_scenario(backend, library, job.load, log, progress=progress)
     finally:
         backend.close()
     return {
         "name": backend.name,
+        "peak_search": trials,
+        "load_settings": {"rate_qps": result.target_qps},
         "records": [r.to_json() for r in result.records],
         "seeds": result.seeds,
         "load": asdict(load),
@@ -96,6 +105,48 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     }
 
 
+def _find_peak(job: VariantJob, backend: Any, library: Any, log: QueryLog, progress: Any, emit: Emit) -> tuple[Any, list]:
+    """Raise the server rate until the latency target fails, then bisect; keep the best passing run.
+
+    A rate passes when every configured target passes (early stopping included) with no errors.
+    Doubling from ``--rate`` up (halving down if it fails at once), then bisection until the
+    bracket is within 10%, at most 10 trials.
+    """
+    from dataclasses import replace
+
+    from variantbench.loadgen.harness import run_scenario
+
+    criteria = job.criteria or Criteria()
+    lo: float | None = None
+    hi: float | None = None
+    rate = float(job.load.rate_qps or 1.0)
+    best = last = None
+    trials: list[dict[str, Any]] = []
+    for _ in range(10):
+        emit(("status", f"peak search at {rate:.3g} queries/s"))
+        settings = replace(job.load, rate_qps=rate, run_id=f"{job.load.run_id}@{rate:.4g}qps")
+        result = run_scenario(backend, library, settings, log, progress=progress)
+        summary = summarize_run(job.variant, result.records, Resources(), scenario="server", criteria=criteria)
+        checks = summary.validity.checks
+        passed = bool(checks) and all(c["result"] == "PASS" for c in checks.values()) and not summary.queries.errors
+        trials.append({"rate_qps": rate, "passed": passed, "latency_p99_ms": summary.latency_ms.p99,
+                       "achieved_qps": summary.achieved_qps, "reasons": summary.validity.reasons})  # fmt: skip
+        last = result
+        if passed:
+            lo, best = rate, result
+        else:
+            hi = rate
+        if lo is not None and hi is not None:
+            if (hi - lo) / hi < 0.10:
+                break
+            rate = (lo + hi) / 2
+        elif lo is not None:
+            rate *= 2
+        else:
+            rate /= 2
+    return (best or last), trials
+
+
 def _worker(job: VariantJob, channel: Any) -> None:
     try:
         payload = run_variant(job, channel.put)
@@ -107,20 +158,24 @@ def _worker(job: VariantJob, channel: Any) -> None:
         channel.put(("failed", last))
 
 
-def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunReport:
-    records = [QueryRecord.from_json(r) for r in payload["records"]]
-    criteria = Criteria(
+def criteria_for(plan: RunPlan, seeds: dict[str, int] | None = None) -> Criteria:
+    return Criteria(
         percentile=plan.latency_percentile,
         latency_target_ms=plan.latency_target_ms,
         ttft_target_ms=plan.ttft_target_ms,
         tpot_target_ms=plan.tpot_target_ms,
-        min_queries=job.load.min_queries,
-        min_duration_s=job.load.min_duration_s,
+        min_queries=plan.min_queries or plan.tasks,
+        min_duration_s=plan.min_duration,
         window=plan.window,
-        seeds={"workload": plan.seed, **payload["seeds"]},
+        seeds={"workload": plan.seed, **(seeds or {})},
         target_qps=plan.rate,
     )
-    return summarize_run(
+
+
+def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunReport:
+    records = [QueryRecord.from_json(r) for r in payload["records"]]
+    criteria = replace(criteria_for(plan, payload["seeds"]), target_qps=payload["load_settings"]["rate_qps"])
+    run = summarize_run(
         payload.get("name") or job.variant,
         records,
         Resources(**payload["resources"]),
@@ -128,6 +183,10 @@ def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunRe
         scenario=job.load.scenario,
         criteria=criteria,
     )
+    if payload.get("peak_search"):
+        passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
+        run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
+    return run
 
 
 def load_settings(plan: RunPlan, run_id: str) -> LoadSettings:
@@ -273,6 +332,8 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
                 endpoint_model=spec.name if plan.endpoint else None,
                 api=plan.api,
                 request_timeout=plan.request_timeout,
+                find_peak=plan.find_peak,
+                criteria=criteria_for(plan),
             )
             display = _Display(progress, variant)
             started = time.perf_counter()

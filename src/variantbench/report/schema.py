@@ -90,6 +90,13 @@ class Outliers(_Model):
     trimmed_output_tokens_per_s: float | None = None
 
 
+class PeakSearch(_Model):
+    """``--find-peak``: the highest server rate whose latency targets passed, and every trial."""
+
+    peak_qps: float | None = None
+    trials: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class Queries(_Model):
     issued: int = 0
     completed: int = 0
@@ -116,6 +123,7 @@ class RunReport(_Model):
     windows: list[WindowReport] = Field(default_factory=list)
     stable: bool | None = None  # last 3 windows' mean latencies within 10%
     outliers: Outliers = Field(default_factory=Outliers)
+    peak: PeakSearch | None = None
     ttft_ms: Tail = Field(default_factory=Tail)
     tpot_ms: Tail = Field(default_factory=Tail)
     throughput: Throughput = Field(default_factory=Throughput)

@@ -1,0 +1,124 @@
+"""The OpenAI-compatible HTTP backend against a real server on 127.0.0.1 (the no-op server)."""
+
+from __future__ import annotations
+
+from http.server import BaseHTTPRequestHandler, HTTPServer
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from variantbench.backends.base import GenerationRequest
+from variantbench.backends.openai_http import OpenAIBackend
+from variantbench.errors import UserError
+from variantbench.loadgen.harness import LoadSettings, run_scenario
+from variantbench.loadgen.noop_server import ThreadServer
+from variantbench.report.schema import Resources
+from variantbench.report.summary import summarize_run
+from variantbench.workloads import SyntheticLibrary
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ThreadServer(tokens=6, token_delay_s=0.002, slow_s=3.0) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_streamed_answer_is_parsed(server, api: str) -> None:
+    backend = OpenAIBackend(server.url, api=api)
+    info = backend.load()
+    assert info.details["model"] == "noop"
+    result = backend.generate([GenerationRequest("a", prompt="hello", max_new_tokens=4)])[0]
+    assert result.status == "ok", result.error
+    assert result.text == "tok tok tok tok"
+    assert result.output_tokens == 4 and result.input_tokens == 1  # from the server's usage
+    assert len(result.token_ns) == 4
+    assert result.start_ns < result.first_token_ns <= result.token_ns[-1] <= result.end_ns
+    # the server sleeps 2 ms before each token: gaps between tokens are real
+    assert all(b - a > 1_000_000 for a, b in zip(result.token_ns, result.token_ns[1:], strict=False))
+
+
+def test_http_500_is_an_error_result(server) -> None:
+    result = OpenAIBackend(server.url, model="fail500").generate([GenerationRequest("a", prompt="x")])[0]
+    assert result.status == "error" and result.error.startswith("HTTP 500")
+
+
+def test_garbage_stream_is_an_error_result(server) -> None:
+    result = OpenAIBackend(server.url, model="garbage").generate([GenerationRequest("a", prompt="x")])[0]
+    assert result.status == "error" and "malformed SSE" in result.error
+
+
+def test_timeout_is_an_error_result(server) -> None:
+    backend = OpenAIBackend(server.url, model="slow", timeout_s=0.5)
+    result = backend.generate([GenerationRequest("a", prompt="x")])[0]
+    assert result.status == "error" and "timed out" in result.error
+
+
+def test_server_scenario_over_http(server) -> None:
+    library = SyntheticLibrary(n=10, seed=0, min_words=5, max_words=10)
+    backend = OpenAIBackend(server.url)
+    backend.load()
+    settings = LoadSettings(scenario="server", rate_qps=100, min_queries=150, max_queries=150, warmup=2,
+                            max_new_tokens=6)  # fmt: skip
+    run = run_scenario(backend, library, settings)
+    assert len(run.records) == 150 and all(r.status == "ok" for r in run.records)
+    report = summarize_run("noop", run.records, Resources(), scenario="server")
+    assert report.achieved_qps == pytest.approx(100, rel=0.02)
+    assert report.ttft_ms.p50 < report.latency_ms.p50
+    # inter-token time excludes the first token: ~2 ms per token, not TTFT-inflated
+    assert 1.5 < report.tpot_ms.p50 < 10
+    for r in run.records:
+        assert r.output_tokens == 6 and len(r.token_ms) == 6
+
+
+def test_unreachable_endpoint_fails_before_the_run() -> None:
+    with pytest.raises(UserError, match="cannot reach endpoint"):
+        OpenAIBackend("http://127.0.0.1:9").load()
+    with pytest.raises(UserError, match="http"):
+        OpenAIBackend("ftp://example")
+
+
+class _Garbage(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"<html>not an API</html>")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_cli_endpoint_errors_are_one_line(tmp_path: Path) -> None:
+    httpd = HTTPServer(("127.0.0.1", 0), _Garbage)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for url, needle in ((f"http://127.0.0.1:{httpd.server_port}", "OpenAI-style JSON"),
+                            ("http://127.0.0.1:9", "cannot reach endpoint")):  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-m", "variantbench", "run", "--endpoint", url, "--out", str(tmp_path)],
+                capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+            )  # fmt: skip
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    finally:
+        httpd.shutdown()
+
+
+def test_cli_endpoint_run_writes_the_report(server, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "variantbench", "run", "--endpoint", server.url, "--scenario", "server",
+         "--rate", "50", "--tasks", "5", "--min-queries", "60", "--max-new-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    assert run["variant"] == "noop" and run["backend"]["backend"] == "openai-http"
+    assert run["queries"] == {"issued": 60, "completed": 60, "errors": 0}
+    assert (out / "mlperf_log_summary.noop.txt").is_file()
