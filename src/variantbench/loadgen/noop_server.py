@@ -49,6 +49,9 @@ def make_app(tokens: int = 8, token_delay_s: float = 0.0, slow_s: float = 5.0): 
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path = scope["path"]
+        if scope["method"] == "GET" and path == "/health":
+            await send_json(send, 200, b'{"status": "ok"}')
+            return
         if scope["method"] == "GET" and path == "/v1/models":
             await send_json(send, 200, models_body)
             return
