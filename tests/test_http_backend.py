@@ -39,8 +39,9 @@ def test_streamed_answer_is_parsed(server, api: str) -> None:
     assert result.output_tokens == 4 and result.input_tokens == 1  # from the server's usage
     assert len(result.token_ns) == 4
     assert result.start_ns < result.first_token_ns <= result.token_ns[-1] <= result.end_ns
-    # the server sleeps 2 ms before each token: gaps between tokens are real
-    assert all(b - a > 1_000_000 for a, b in zip(result.token_ns, result.token_ns[1:], strict=False))
+    # the server sleeps 2 ms before each token: the 4th cannot arrive before 8 ms (timestamps are real)
+    assert result.token_ns[-1] - result.start_ns >= 8_000_000
+    assert all(b >= a for a, b in zip(result.token_ns, result.token_ns[1:], strict=False))
 
 
 def test_http_500_is_an_error_result(server) -> None:
@@ -68,10 +69,10 @@ def test_server_scenario_over_http(server) -> None:
     run = run_scenario(backend, library, settings)
     assert len(run.records) == 150 and all(r.status == "ok" for r in run.records)
     report = summarize_run("noop", run.records, Resources(), scenario="server")
-    assert report.achieved_qps == pytest.approx(100, rel=0.02)
+    assert report.achieved_qps == pytest.approx(100, rel=0.05)
     assert report.ttft_ms.p50 < report.latency_ms.p50
     # inter-token time excludes the first token: ~2 ms per token, not TTFT-inflated
-    assert 1.5 < report.tpot_ms.p50 < 10
+    assert 1.0 < report.tpot_ms.p50 < 15
     for r in run.records:
         assert r.output_tokens == 6 and len(r.token_ms) == 6
 
