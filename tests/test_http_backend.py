@@ -123,3 +123,19 @@ def test_cli_endpoint_run_writes_the_report(server, tmp_path: Path) -> None:
     assert run["variant"] == "noop" and run["backend"]["backend"] == "openai-http"
     assert run["queries"] == {"issued": 60, "completed": 60, "errors": 0}
     assert (out / "mlperf_log_summary.noop.txt").is_file()
+
+
+def test_concurrency_cap_over_http_turns_waiting_into_lag(server) -> None:
+    library = SyntheticLibrary(n=10, seed=0, min_words=5, max_words=10)
+    backend = OpenAIBackend(server.url)
+    backend.load()
+    # each answer takes >= 12 ms (6 tokens x 2 ms); 200/s with one slot cannot keep up
+    settings = LoadSettings(scenario="server", rate_qps=200, min_queries=40, max_queries=40, warmup=0,
+                            max_concurrency=1, max_new_tokens=6)  # fmt: skip
+    run = run_scenario(backend, library, settings)
+    assert len(run.records) == 40 and all(r.status == "ok" for r in run.records)
+    by_index = sorted(run.records, key=lambda r: r.index)
+    assert by_index[-1].dispatch_lag_ms > 100  # the backlog is charged as lag...
+    assert by_index[-1].latency_from_scheduled_ms > by_index[-1].latency_ms + 100  # ...and in latency
+    spans = sorted((r.issued_ns, r.completed_ns) for r in run.records)
+    assert all(b[0] >= a[1] - 1_000_000 for a, b in zip(spans, spans[1:], strict=False))  # one at a time

@@ -178,12 +178,42 @@ class _AsyncExecutor:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(backend.astart(), self.loop).result()
 
-    async def _one(self, pending: _Pending) -> None:
+    async def _one(self, pending: _Pending, slot: asyncio.Semaphore | None = None) -> None:
+        # Issued is when the request really starts, on this loop: a loop that falls behind the
+        # dispatcher shows up as dispatch lag, not as the server's latency.
+        pending.record.issued_ns = time.perf_counter_ns()
         try:
             result = await self.backend.agenerate(pending.request)
         except Exception as exc:  # a backend bug is a failed query, not a dead run
             result = GenerationResult(pending.request.request_id, status="error", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if slot is not None:
+                slot.release()
         self.on_complete([pending], [result])
+
+    async def _dispatch(self, plan: list[_Pending], max_concurrency: int | None) -> int:
+        """Issue each request at its scheduled time, from inside the loop.
+
+        Sleep on the loop's timer until about 3 ms before (its timers round to ~1 ms and oversleep
+        under load), then yield
+        with ``sleep(0)`` until the time: I/O keeps being served while the dispatcher waits, and
+        no thread hand-off (nor the GIL) stands between the schedule and the send.
+        """
+        slot = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        for p in plan:
+            target = p.record.scheduled_ns
+            remaining = target - time.perf_counter_ns()
+            if remaining > 4_000_000:
+                await asyncio.sleep((remaining - 3_000_000) / 1e9)
+            while time.perf_counter_ns() < target:
+                await asyncio.sleep(0)
+            if slot is not None:
+                await slot.acquire()  # waiting for a slot is dispatch lag, and counts in latency
+            self.loop.create_task(self._one(p, slot))
+        return len(plan)
+
+    def run_schedule(self, plan: list[_Pending], max_concurrency: int | None) -> int:
+        return asyncio.run_coroutine_threadsafe(self._dispatch(plan, max_concurrency), self.loop).result()
 
     def _start(self, pendings: list[_Pending]) -> None:
         for p in pendings:
@@ -253,7 +283,9 @@ def run_scenario(
     records: list[QueryRecord] = []
     state = {"completed": 0, "last_progress": 0}
     total_for_progress = planned if planned < 1_000_000 else s.min_queries
-    slots = threading.Semaphore(s.max_concurrency) if s.max_concurrency else None
+    is_async = bool(getattr(backend, "concurrent", False) and hasattr(backend, "agenerate"))
+    # in-process systems: a thread semaphore; HTTP systems: an asyncio one inside the loop's dispatcher
+    slots = threading.Semaphore(s.max_concurrency) if s.max_concurrency and not is_async else None
 
     def complete(batch: list[_Pending], results: list[GenerationResult]) -> None:
         now = time.perf_counter_ns()
@@ -293,7 +325,7 @@ def run_scenario(
             r.input_tokens = result.input_tokens
 
     executor: _Executor | _AsyncExecutor
-    if getattr(backend, "concurrent", False) and hasattr(backend, "agenerate"):
+    if is_async:
         executor = _AsyncExecutor(backend, complete)
     else:
         executor = _Executor(backend, s.max_batch_size if s.scenario != "single-stream" else 1, complete)
@@ -360,7 +392,18 @@ def run_scenario(
             groups = [make(q, started) for q in range(planned)]
             issue([p for g in groups for p in g])
             query = planned
-        else:  # server
+        elif isinstance(executor, _AsyncExecutor):  # server, dispatched inside the event loop
+            assert offsets is not None
+            plan = []
+            for offset in offsets:
+                scheduled = started + offset
+                if max_end is not None and scheduled >= max_end:
+                    break
+                plan.extend(make(query, scheduled))
+                query += 1
+            pendings.extend(plan)
+            executor.run_schedule(plan, s.max_concurrency)
+        else:  # server, in-process system
             assert offsets is not None
             for offset in offsets:
                 scheduled = started + offset
