@@ -389,8 +389,11 @@ def run_scenario(
                     lock.wait_for(lambda g=group: all(p.done for p in g))
                 query += 1
         elif s.scenario == "offline":
-            groups = [make(q, started) for q in range(planned)]
-            issue([p for g in groups for p in g])
+            batch = [p for q in range(planned) for p in make(q, 0)]
+            at = time.perf_counter_ns()  # all are scheduled at the moment they are issued together
+            for p in batch:
+                p.record.scheduled_ns = at
+            issue(batch)
             query = planned
         elif isinstance(executor, _AsyncExecutor):  # server, dispatched inside the event loop
             assert offsets is not None
