@@ -103,9 +103,9 @@ def main() -> None:
                 row += f" {'(stopped)':>13} {'':4} {'':10} |"
             if failures["guidellm"] < 2:
                 try:
-                    achieved, n_ok, n_bad = run_guidellm(exe, server.url, rate, args.seconds, tokenizer)
+                    achieved, _n_ok, n_bad = run_guidellm(exe, server.url, rate, args.seconds, tokenizer)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    achieved, n_ok, n_bad = None, 0, -1
+                    achieved, _n_ok, n_bad = None, 0, -1
                     print(f"   {exc}", file=sys.stderr)
                 ok = achieved is not None and abs(achieved - rate) <= 0.01 * rate and n_bad == 0
                 failures["guidellm"] = 0 if ok else failures["guidellm"] + 1

@@ -86,11 +86,6 @@ class RunPlan(BaseModel):
         return self
 
     @property
-    def run_names(self) -> tuple[str, ...]:
-        """What each run is called: the variants, or the endpoint's model for an endpoint run."""
-        return (self.endpoint_model or "endpoint",) if self.endpoint else self.variants
-
-    @property
     def standard(self) -> str:
         return "fp32" if "fp32" in self.variants else self.variants[0]
 

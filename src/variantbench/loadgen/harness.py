@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 import math
-import queue
 import random
 import sys
 import threading
