@@ -48,7 +48,9 @@ def _timed(fn) -> float:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="HF folder or GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -67,10 +69,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = []
     for text in PROMPTS:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         prompts.append(list(tokenizer(chat, add_special_tokens=False)["input_ids"]))
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}"
+    )
     bandwidth = memory_bandwidth_gbs()
     print(f"(a) memory read bandwidth: {bandwidth:.1f} GB/s")
 
@@ -110,7 +116,9 @@ def main() -> None:
     hf_rate = sum(hf_rates) / len(hf_rates)
     ours = sum(ours_rates) / len(ours_rates)
 
-    print(f"(b) ours, batch 1, fp32: {ours:.1f} tokens/s  (per-token timer: {sum(internal) / len(internal):.1f})")
+    print(
+        f"(b) ours, batch 1, fp32: {ours:.1f} tokens/s  (per-token timer: {sum(internal) / len(internal):.1f})"
+    )
     print(f"(c) model.generate, batch 1, fp32: {hf_rate:.1f} tokens/s")
     print(f"ours / generate: {ours / hf_rate:.2f}x   (target >= 2x)")
     print(f"ours / roofline: {ours / roofline:.0%}   (target >= 50%)")

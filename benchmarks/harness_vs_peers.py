@@ -33,7 +33,9 @@ def guidellm_bin(cache: Path) -> Path:
     if not exe.exists():
         print(f"installing guidellm {GUIDELLM_VERSION} into {env_dir} (once)", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
-        subprocess.run([str(env_dir / "bin" / "pip"), "install", "-q", f"guidellm=={GUIDELLM_VERSION}"], check=True)
+        subprocess.run(
+            [str(env_dir / "bin" / "pip"), "install", "-q", f"guidellm=={GUIDELLM_VERSION}"], check=True
+        )
     return exe
 
 
@@ -44,7 +46,9 @@ def _achieved(send_times: list[float]) -> float | None:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def run_guidellm(exe: Path, url: str, rate: float, seconds: float, tokenizer: Path) -> tuple[float | None, int, int]:
+def run_guidellm(
+    exe: Path, url: str, rate: float, seconds: float, tokenizer: Path
+) -> tuple[float | None, int, int]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "guidellm.json"
         cmd = [
@@ -68,12 +72,18 @@ def run_guidellm(exe: Path, url: str, rate: float, seconds: float, tokenizer: Pa
     errored = bench.get("errored") or []
     # "incomplete" are requests still in flight when guidellm's duration limit cut the run: not failures
     cut = bench.get("incomplete") or []
-    sends = [r["info"]["timings"]["request_start"] for r in ok + errored + cut if r["info"]["timings"].get("request_start")]
+    sends = [
+        r["info"]["timings"]["request_start"]
+        for r in ok + errored + cut
+        if r["info"]["timings"].get("request_start")
+    ]
     return _achieved(sends), len(ok), len(errored)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rates", default="100,200,400,600,800,1200,1600,2400,3200")
     args = parser.parse_args()
@@ -88,13 +98,19 @@ def main() -> None:
     exe = guidellm_bin(cache_root())
     best = {"ours": None, "ours_strict": None, "guidellm": None}
     failures = {"ours": 0, "guidellm": 0}
-    print(f"{'rate/s':>8} | {'ours achieved':>13} {'err':>4} {'lag p99 ms':>10} | {'guidellm achieved':>17} {'err':>4}")
+    print(
+        f"{'rate/s':>8} | {'ours achieved':>13} {'err':>4} {'lag p99 ms':>10} | {'guidellm achieved':>17} {'err':>4}"
+    )
     with ProcessServer(tokens=8) as server:
         for rate in rates:
             row = f"{rate:8.0f} |"
             if failures["ours"] < 2:
                 ours = http_rate(server.url, rate, args.seconds)
-                ok = ours.achieved_qps is not None and abs(ours.achieved_qps - rate) <= 0.01 * rate and not ours.errors
+                ok = (
+                    ours.achieved_qps is not None
+                    and abs(ours.achieved_qps - rate) <= 0.01 * rate
+                    and not ours.errors
+                )
                 failures["ours"] = 0 if ok else failures["ours"] + 1
                 best["ours"] = rate if ok else best["ours"]
                 best["ours_strict"] = rate if ours.sustained else best["ours_strict"]
@@ -117,7 +133,9 @@ def main() -> None:
             if failures["ours"] >= 2 and failures["guidellm"] >= 2:
                 break
     print()
-    print(f"highest sustained rate (achieved within 1%, no errors): ours {best['ours']}, guidellm {best['guidellm']}")
+    print(
+        f"highest sustained rate (achieved within 1%, no errors): ours {best['ours']}, guidellm {best['guidellm']}"
+    )
     print(f"ours under the stricter selftest rule (also p99 dispatch lag < 1 ms): {best['ours_strict']}")
     if best["ours"] and best["guidellm"]:
         print(f"ratio ours / guidellm: {best['ours'] / best['guidellm']:.2f}x   (target >= 3x)")

@@ -22,7 +22,9 @@ def _tokenizer():
 
     from variantbench.workloads import SyntheticLibrary
 
-    texts = [s.prompt + " " + s.reference for s in (SyntheticLibrary(n=40, seed=1).sample(i) for i in range(40))]
+    texts = [
+        s.prompt + " " + s.reference for s in (SyntheticLibrary(n=40, seed=1).sample(i) for i in range(40))
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

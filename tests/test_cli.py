@@ -11,10 +11,16 @@ import sys
 import pytest
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "variantbench", *args], capture_output=True, text=True, timeout=timeout, env=full_env
+        [sys.executable, "-m", "variantbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 
@@ -27,7 +33,9 @@ def _assert_user_error(proc: subprocess.CompletedProcess[str], needle: str, stat
 
 
 def test_missing_model_path(tmp_path: Path) -> None:
-    _assert_user_error(_cli("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)), "does not exist")
+    _assert_user_error(
+        _cli("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path)), "does not exist"
+    )
 
 
 def test_unknown_variant(tmp_path: Path) -> None:
@@ -103,7 +111,14 @@ def test_variants_command_lists_kinds() -> None:
 def test_garbage_gguf_file(tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    proc = _cli("run", "--model", str(bad), "--out", str(tmp_path / "o"), env={"VARIANTBENCH_CACHE": str(tmp_path / "c")})
+    proc = _cli(
+        "run",
+        "--model",
+        str(bad),
+        "--out",
+        str(tmp_path / "o"),
+        env={"VARIANTBENCH_CACHE": str(tmp_path / "c")},
+    )
     assert proc.stderr.startswith("converting broken.gguf")  # what it was doing when it failed
     _assert_user_error(proc, "cannot load GGUF", status_lines=1)
     assert not any((tmp_path / "c" / "models").glob("broken-*"))  # no half-written cache entry

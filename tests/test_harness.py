@@ -9,8 +9,8 @@ import pytest
 
 from variantbench.backends.base import GenerationRequest
 from variantbench.backends.torch_backend import TorchBackend
-from variantbench.loadgen.records import QueryLog, read_log
 from variantbench.loadgen.harness import LoadSettings, run_scenario, sample_order
+from variantbench.loadgen.records import QueryLog, read_log
 from variantbench.report.schema import Resources
 from variantbench.report.summary import summarize_run
 from variantbench.workloads import SyntheticLibrary
@@ -33,7 +33,9 @@ def library() -> SyntheticLibrary:
     return SyntheticLibrary(n=6, seed=3, min_words=20, max_words=60)
 
 
-def test_query_log_has_one_line_per_issued_query_including_failures(tiny_model_dir, library, tmp_path) -> None:
+def test_query_log_has_one_line_per_issued_query_including_failures(
+    tiny_model_dir, library, tmp_path
+) -> None:
     backend = FlakyBackend(str(tiny_model_dir), "fp32")
     backend.load()
     settings = LoadSettings(min_queries=7, max_queries=7, warmup=2, sample_seed=1, max_new_tokens=6)

@@ -161,7 +161,9 @@ def test_single_stream_runs_until_both_minimums_are_met(library) -> None:
     result = run_scenario(SleepSystem(0.02), library, settings)
     assert len(result.records) >= 8  # 0.3 s of 20 ms queries, not just 3
     assert (result.ended_ns - result.started_ns) / 1e9 >= 0.3
-    capped = run_scenario(SleepSystem(0.02), library, LoadSettings(min_queries=3, max_queries=5, min_duration_s=5))
+    capped = run_scenario(
+        SleepSystem(0.02), library, LoadSettings(min_queries=3, max_queries=5, min_duration_s=5)
+    )
     assert len(capped.records) == 5
 
 

@@ -28,7 +28,8 @@ def _fail(message: str, code: int = 2) -> None:
 @app.command()
 def run(
     model: Annotated[
-        str | None, typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+        str | None,
+        typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
     ] = None,
     variants: Annotated[str, typer.Option(help="Comma-separated variants; see 'variantbench variants'")] = (
         "fp32,bf16,int8"
@@ -43,27 +44,41 @@ def run(
     endpoint: Annotated[
         str | None, typer.Option(help="measure a running OpenAI-compatible server at this URL instead")
     ] = None,
-    endpoint_model: Annotated[str | None, typer.Option(help="model name at the endpoint (default: its first)")] = None,
+    endpoint_model: Annotated[
+        str | None, typer.Option(help="model name at the endpoint (default: its first)")
+    ] = None,
     api: Annotated[str, typer.Option(help="endpoint API: completions or chat")] = "completions",
     request_timeout: Annotated[float, typer.Option(help="per-request timeout for an endpoint (s)")] = 120.0,
     scenario: Annotated[
         str, typer.Option(help="single-stream | multi-stream | server | offline")
     ] = "single-stream",
     rate: Annotated[float | None, typer.Option(help="server: target queries/s (Poisson arrivals)")] = None,
-    burstiness: Annotated[float, typer.Option(help="server: gamma shape of arrival gaps; 1.0 = Poisson")] = 1.0,
+    burstiness: Annotated[
+        float, typer.Option(help="server: gamma shape of arrival gaps; 1.0 = Poisson")
+    ] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="server: cap on outstanding queries")] = None,
     samples_per_query: Annotated[int, typer.Option(help="multi-stream: samples per query")] = 4,
-    min_queries: Annotated[int | None, typer.Option(help="run at least this many queries (default: --tasks)")] = None,
+    min_queries: Annotated[
+        int | None, typer.Option(help="run at least this many queries (default: --tasks)")
+    ] = None,
     max_queries: Annotated[int | None, typer.Option(help="stop after this many queries")] = None,
     min_duration: Annotated[float, typer.Option(help="run at least this many seconds")] = 0.0,
     max_duration: Annotated[float | None, typer.Option(help="stop issuing after this many seconds")] = None,
     latency_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL latency target (ms)")] = None,
-    ttft_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL time-to-first-token target (ms)")] = None,
-    tpot_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL time-per-output-token target (ms)")] = None,
-    latency_percentile: Annotated[float, typer.Option(help="percentile the targets apply to, in (0,100)")] = 99.0,
+    ttft_target_ms: Annotated[
+        float | None, typer.Option(help="PASS/FAIL time-to-first-token target (ms)")
+    ] = None,
+    tpot_target_ms: Annotated[
+        float | None, typer.Option(help="PASS/FAIL time-per-output-token target (ms)")
+    ] = None,
+    latency_percentile: Annotated[
+        float, typer.Option(help="percentile the targets apply to, in (0,100)")
+    ] = 99.0,
     window: Annotated[int, typer.Option(help="queries per metrics window")] = 50,
     schedule_seed: Annotated[int, typer.Option(help="seed of the arrival schedule")] = 0,
-    max_batch_size: Annotated[int, typer.Option(help="most waiting requests handed to the model at once")] = 8,
+    max_batch_size: Annotated[
+        int, typer.Option(help="most waiting requests handed to the model at once")
+    ] = 8,
     find_peak: Annotated[
         bool, typer.Option(help="server: raise the rate until the latency target fails, then bisect")
     ] = False,
@@ -140,7 +155,9 @@ def run(
             peak = f"{r.peak.peak_qps:.3g} queries/s" if r.peak.peak_qps else "none of the rates tried passed"
             console.print(f"{r.variant}: peak rate meeting the targets: {peak} ({len(r.peak.trials)} trials)")
         if r.status == "ok" and r.validity.verdict != "VALID":
-            console.print(f"[yellow]{r.variant}: INVALID[/yellow] - {'; '.join(r.validity.reasons)}", highlight=False)
+            console.print(
+                f"[yellow]{r.variant}: INVALID[/yellow] - {'; '.join(r.validity.reasons)}", highlight=False
+            )
         if r.status == "ok" and (r.late_share or 0) > 0.01:
             console.print(
                 f"[yellow]warning:[/yellow] {r.variant}: {r.late_share:.1%} of queries issued more than 1 ms late",

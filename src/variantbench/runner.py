@@ -26,10 +26,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from variantbench import __version__
 from variantbench.config import RunPlan
 from variantbench.errors import UserError
-from variantbench.loadgen.records import QueryLog, QueryRecord
-from variantbench.report.schema import PeakSearch, Report, Resources, RunReport
 from variantbench.loadgen.harness import LoadSettings
+from variantbench.loadgen.records import QueryLog, QueryRecord
 from variantbench.report.mlperf import run_summary
+from variantbench.report.schema import PeakSearch, Report, Resources, RunReport
 from variantbench.report.summary import Criteria, summarize_run
 from variantbench.workloads.synthetic import SyntheticLibrary
 
@@ -77,6 +77,7 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     try:
         load = backend.load()
         load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
         def progress(phase: str, done: int, total: int) -> None:
             emit(("progress", phase, done, total))
 
@@ -105,7 +106,9 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     }
 
 
-def _find_peak(job: VariantJob, backend: Any, library: Any, log: QueryLog, progress: Any, emit: Emit) -> tuple[Any, list]:
+def _find_peak(
+    job: VariantJob, backend: Any, library: Any, log: QueryLog, progress: Any, emit: Emit
+) -> tuple[Any, list]:
     """Raise the server rate until the latency target fails, then bisect; keep the best passing run.
 
     A rate passes when every configured target passes (early stopping included) with no errors.
@@ -126,9 +129,15 @@ def _find_peak(job: VariantJob, backend: Any, library: Any, log: QueryLog, progr
         emit(("status", f"peak search at {rate:.3g} queries/s"))
         settings = replace(job.load, rate_qps=rate, run_id=f"{job.load.run_id}@{rate:.4g}qps")
         result = run_scenario(backend, library, settings, log, progress=progress)
-        summary = summarize_run(job.variant, result.records, Resources(), scenario="server", criteria=criteria)
+        summary = summarize_run(
+            job.variant, result.records, Resources(), scenario="server", criteria=criteria
+        )
         checks = summary.validity.checks
-        passed = bool(checks) and all(c["result"] == "PASS" for c in checks.values()) and not summary.queries.errors
+        passed = (
+            bool(checks)
+            and all(c["result"] == "PASS" for c in checks.values())
+            and not summary.queries.errors
+        )
         trials.append({"rate_qps": rate, "passed": passed, "latency_p99_ms": summary.latency_ms.p99,
                        "achieved_qps": summary.achieved_qps, "reasons": summary.validity.reasons})  # fmt: skip
         last = result
@@ -223,7 +232,9 @@ class _Display:
             self.progress.update(self.task, description=f"{self.variant}: {event[1]}")
         elif kind == "progress":
             _, phase, done, total = event
-            self.progress.update(self.task, description=f"{self.variant}: {phase}", completed=done, total=total)
+            self.progress.update(
+                self.task, description=f"{self.variant}: {phase}", completed=done, total=total
+            )
 
 
 def _run_isolated(job: VariantJob, display: _Display) -> dict[str, Any]:
@@ -241,7 +252,9 @@ def _run_isolated(job: VariantJob, display: _Display) -> dict[str, Any]:
                     try:
                         event = channel.get(timeout=1.0)
                     except queue_mod.Empty:
-                        raise RuntimeError(f"worker for {job.variant} exited with code {proc.exitcode}") from None
+                        raise RuntimeError(
+                            f"worker for {job.variant} exited with code {proc.exitcode}"
+                        ) from None
                 else:
                     continue
             if event[0] == "done":
@@ -287,13 +300,17 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
     if plan.endpoint:
         from variantbench.backends.openai_http import OpenAIBackend
 
-        probe = OpenAIBackend(plan.endpoint, model=plan.endpoint_model, api=plan.api, timeout_s=plan.request_timeout)
+        probe = OpenAIBackend(
+            plan.endpoint, model=plan.endpoint_model, api=plan.api, timeout_s=plan.request_timeout
+        )
         probe.load()  # unreachable or garbage: one clear line, before any measurement
         spec = ModelSpec(kind="endpoint", path=plan.endpoint, name=probe.model or "endpoint")
         model_dir = ""
     else:
         spec = parse_model(plan.model)
-        model_dir = str(prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True)))
+        model_dir = str(
+            prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True))
+        )
     library = SyntheticLibrary(n=plan.tasks, seed=plan.seed)
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     report = Report(
@@ -318,7 +335,7 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
         transient=False,
     )
     with progress:
-        for variant in ((spec.name,) if plan.endpoint else plan.variants):
+        for variant in (spec.name,) if plan.endpoint else plan.variants:
             job = VariantJob(
                 model_dir=model_dir,
                 variant=variant,

@@ -92,7 +92,9 @@ def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0) -> Rat
         and lag < 1.0
         and report.queries.errors == 0
     )
-    return RateResult(rate, achieved, lag, report.late_share, report.queries.errors, report.latency_ms.p99, sustained)
+    return RateResult(
+        rate, achieved, lag, report.late_share, report.queries.errors, report.latency_ms.p99, sustained
+    )
 
 
 def sustained_rate(

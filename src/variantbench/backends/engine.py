@@ -23,7 +23,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-
 # Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
 # of long prompts) the library's own multi-threaded GEMM wins.
 SPLIT_K_MAX_ROWS = 32
@@ -49,7 +48,9 @@ class _DenseT:
             threads = threads or torch.get_num_threads()
             on_cpu = weight.device.type == "cpu"
             self.split = (
-                threads if on_cpu and self.transposed and threads > 1 and self.in_features % threads == 0 else 1
+                threads
+                if on_cpu and self.transposed and threads > 1 and self.in_features % threads == 0
+                else 1
             )
             self.weight_split = (
                 self.weight.view(self.split, self.in_features // self.split, self.out_features)
@@ -301,7 +302,9 @@ class LlamaDecoder:
             valid[b, seq - len(p) :] = True
         padded = any(n != seq for n in lengths)
         max_kv = max(layer.n_kv_heads for layer in self.layers) if self.layers else 1
-        storage = torch.zeros(len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev)
+        storage = torch.zeros(
+            len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev
+        )
         # per-layer (keys, values) views, [B, kv_heads, positions, head_dim], made once per call
         cache = [
             (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])

@@ -79,7 +79,9 @@ class OpenAIBackend:
         try:
             models = [m["id"] for m in json.loads(raw)["data"]]
         except (ValueError, KeyError, TypeError):
-            raise UserError(f"endpoint {self.base_url} did not answer /v1/models with OpenAI-style JSON") from None
+            raise UserError(
+                f"endpoint {self.base_url} did not answer /v1/models with OpenAI-style JSON"
+            ) from None
         if self.model is None:
             if not models:
                 raise UserError(f"endpoint {self.base_url} lists no models; pass one with --endpoint-model")
@@ -88,7 +90,9 @@ class OpenAIBackend:
                 self.name = self.model
         self._info = {"backend": "openai-http", "endpoint": self.base_url, "model": self.model, "api": self.api,
                       "models": models}  # fmt: skip
-        return LoadInfo(startup_s=(time.perf_counter_ns() - t0) / 1e9, param_bytes=0, details=dict(self._info))
+        return LoadInfo(
+            startup_s=(time.perf_counter_ns() - t0) / 1e9, param_bytes=0, details=dict(self._info)
+        )
 
     def info(self) -> dict[str, Any]:
         return dict(self._info) or {"backend": "openai-http", "endpoint": self.base_url}
@@ -128,7 +132,9 @@ class OpenAIBackend:
         body["prompt"] = req.prompt or ""
         return "/v1/completions", body
 
-    async def agenerate(self, req: GenerationRequest, client: aiohttp.ClientSession | None = None) -> GenerationResult:
+    async def agenerate(
+        self, req: GenerationRequest, client: aiohttp.ClientSession | None = None
+    ) -> GenerationResult:
         if client is None:
             if self._client is None:
                 await self.astart()
@@ -205,4 +211,6 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 def _error(req: GenerationRequest, start: int, message: str) -> GenerationResult:
-    return GenerationResult(req.request_id, status="error", error=message, start_ns=start, end_ns=time.perf_counter_ns())
+    return GenerationResult(
+        req.request_id, status="error", error=message, start_ns=start, end_ns=time.perf_counter_ns()
+    )

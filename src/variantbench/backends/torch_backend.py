@@ -63,7 +63,9 @@ class TorchBackend:
         model = apply_recipes(model, recipes)
         nbytes = param_bytes(model)
         config = model.config
-        if not (hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(config, "rms_norm_eps")):
+        if not (
+            hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(config, "rms_norm_eps")
+        ):
             raise UserError(
                 f"unsupported architecture {type(model).__name__}: the torch backend runs Llama-style models"
             )
@@ -146,7 +148,11 @@ class TorchBackend:
                 batch.append((req, ids))
             except Exception as exc:
                 results[req.request_id] = GenerationResult(
-                    req.request_id, status="error", error=str(exc), start_ns=start, end_ns=time.perf_counter_ns()
+                    req.request_id,
+                    status="error",
+                    error=str(exc),
+                    start_ns=start,
+                    end_ns=time.perf_counter_ns(),
                 )
         if batch:
             start = time.perf_counter_ns()
@@ -161,7 +167,11 @@ class TorchBackend:
                 end = time.perf_counter_ns()
                 for req, _ in batch:
                     results[req.request_id] = GenerationResult(
-                        req.request_id, status="error", error=f"{type(exc).__name__}: {exc}", start_ns=start, end_ns=end
+                        req.request_id,
+                        status="error",
+                        error=f"{type(exc).__name__}: {exc}",
+                        start_ns=start,
+                        end_ns=end,
                     )
             else:
                 for (req, ids), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):

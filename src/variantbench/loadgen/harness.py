@@ -110,7 +110,12 @@ def _wait_until(deadline_ns: int) -> None:
 class _Executor:
     """One thread feeding the backend whatever requests are waiting, in batches."""
 
-    def __init__(self, backend: Backend, max_batch: int, on_complete: Callable[[list[_Pending], list[GenerationResult]], None]):
+    def __init__(
+        self,
+        backend: Backend,
+        max_batch: int,
+        on_complete: Callable[[list[_Pending], list[GenerationResult]], None],
+    ):
         self.backend = backend
         self.max_batch = max_batch
         self.on_complete = on_complete
@@ -184,7 +189,9 @@ class _AsyncExecutor:
         try:
             result = await self.backend.agenerate(pending.request)
         except Exception as exc:  # a backend bug is a failed query, not a dead run
-            result = GenerationResult(pending.request.request_id, status="error", error=f"{type(exc).__name__}: {exc}")
+            result = GenerationResult(
+                pending.request.request_id, status="error", error=f"{type(exc).__name__}: {exc}"
+            )
         finally:
             if slot is not None:
                 slot.release()
@@ -276,7 +283,9 @@ def run_scenario(
         planned = cap  # issued until the limits are met
     per_query = s.samples_per_query if s.scenario == "multi-stream" else 1
     # the sample order is drawn once; a run longer than it cycles through it again
-    order = sample_order(len(library), min(planned, 4 * max(s.min_queries, len(library))) * per_query, s.sample_seed)
+    order = sample_order(
+        len(library), min(planned, 4 * max(s.min_queries, len(library))) * per_query, s.sample_seed
+    )
 
     lock = threading.Condition()
     records: list[QueryRecord] = []
@@ -422,7 +431,10 @@ def run_scenario(
             lock.wait_for(lambda: state["completed"] >= len(pendings), timeout=s.drain_timeout_s)
         late = [p for p in pendings if not p.done]
         if late:
-            complete(late, [GenerationResult(p.request.request_id, status="error", error="timed out") for p in late])
+            complete(
+                late,
+                [GenerationResult(p.request.request_id, status="error", error="timed out") for p in late],
+            )
         ended = time.perf_counter_ns()
     finally:
         sys.setswitchinterval(switch_interval)

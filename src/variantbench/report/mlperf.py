@@ -45,7 +45,10 @@ def run_summary(report: Report, run: RunReport) -> str:
         f"Duration (s) : {_f(run.duration_s, '{:.2f}')}",
         "",
     ]
-    for label, dist in (("from scheduled", run.latency_from_scheduled_ms), ("from issue", run.latency_from_issue_ms)):
+    for label, dist in (
+        ("from scheduled", run.latency_from_scheduled_ms),
+        ("from issue", run.latency_from_issue_ms),
+    ):
         lines.append(f"Latency {label} (ms): p50 {_f(dist.p50, '{:.1f}')}  p90 {_f(dist.p90, '{:.1f}')}  "
                      f"p99 {_f(dist.p99, '{:.1f}')}  mean {_f(dist.mean, '{:.1f}')}")  # fmt: skip
     lines += [

@@ -16,14 +16,74 @@ from variantbench.workloads.base import Sample
 TASKS = ("generation", "qa", "summarization")
 MAX_NEW_TOKENS = {"generation": 64, "qa": 24, "summarization": 64}
 
-_SYLLABLES = ["ver", "an", "dor", "mel", "ka", "ris", "to", "bel", "sun", "gar", "li", "mo", "thal", "en", "vi"]
+_SYLLABLES = [
+    "ver",
+    "an",
+    "dor",
+    "mel",
+    "ka",
+    "ris",
+    "to",
+    "bel",
+    "sun",
+    "gar",
+    "li",
+    "mo",
+    "thal",
+    "en",
+    "vi",
+]
 _EXPORTS = ["copper", "wool", "timber", "olive oil", "salt", "glassware", "honey", "cotton", "tin", "coffee"]
-_FAMOUS = ["its stone bridge", "a spring festival", "clock makers", "a lighthouse", "its public library",
-           "hot springs", "a rowing club", "painted houses", "a night market", "an old observatory"]
-_FIRST = ["Ana", "Tomas", "Ingrid", "Kofi", "Mei", "Rafael", "Sofia", "Yusuf", "Elena", "Dmitri", "Lena", "Omar"]
-_LAST = ["Novak", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Silva", "Haddad", "Kowalski", "Brennan", "Ortiz"]
-_TOPICS = ["road repairs", "the school budget", "water prices", "a new bus line", "park lighting",
-           "market hours", "winter heating", "the harbour fees", "bicycle lanes", "library hours"]
+_FAMOUS = [
+    "its stone bridge",
+    "a spring festival",
+    "clock makers",
+    "a lighthouse",
+    "its public library",
+    "hot springs",
+    "a rowing club",
+    "painted houses",
+    "a night market",
+    "an old observatory",
+]
+_FIRST = [
+    "Ana",
+    "Tomas",
+    "Ingrid",
+    "Kofi",
+    "Mei",
+    "Rafael",
+    "Sofia",
+    "Yusuf",
+    "Elena",
+    "Dmitri",
+    "Lena",
+    "Omar",
+]
+_LAST = [
+    "Novak",
+    "Okafor",
+    "Lindqvist",
+    "Moreau",
+    "Tanaka",
+    "Silva",
+    "Haddad",
+    "Kowalski",
+    "Brennan",
+    "Ortiz",
+]
+_TOPICS = [
+    "road repairs",
+    "the school budget",
+    "water prices",
+    "a new bus line",
+    "park lighting",
+    "market hours",
+    "winter heating",
+    "the harbour fees",
+    "bicycle lanes",
+    "library hours",
+]
 _DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"]
 _FILLER = [
     "The council met on {day} to discuss {topic}, and the debate ran late into the evening.",
