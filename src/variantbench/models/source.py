@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import copy
+from functools import partial
 import hashlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 import zipfile
 
 from pydantic import BaseModel, ConfigDict
@@ -135,18 +137,16 @@ def gguf_to_hf(gguf: Path, say: Status, cache: Path) -> Path:
 
     hf_logging.disable_progress_bar()
     folder, name = str(gguf.parent), gguf.name
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws a raw tqdm bar; we said what we do
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for a bad file
-        raise UserError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0]) from exc
-    finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    # transformers' GGUF reader draws a raw tqdm bar (tqdm reads TQDM_DISABLE only when imported):
+    # silence that one bar for this call; we already said what we are doing
+    with mock.patch.object(gguf_utils, "tqdm", partial(gguf_utils.tqdm, disable=True)):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except Exception as exc:  # transformers raises many types for a bad file
+            raise UserError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0]) from exc
     # A model loaded from GGUF refuses save_pretrained (it carries a gguf quantization_config):
     # rebuild the same architecture from a clean copy of its config and move the weights over.
     config = copy.deepcopy(loaded.config)
