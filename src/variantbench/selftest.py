@@ -66,6 +66,7 @@ def in_process(queries: int = 200_000, scenario: str = "offline") -> InProcessRe
 class RateResult:
     target_qps: float
     achieved_qps: float | None
+    lag_p50_ms: float | None
     lag_p99_ms: float | None
     late_share: float | None
     errors: int
@@ -93,7 +94,14 @@ def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0) -> Rat
         and report.queries.errors == 0
     )
     return RateResult(
-        rate, achieved, lag, report.late_share, report.queries.errors, report.latency_ms.p99, sustained
+        rate,
+        achieved,
+        report.dispatch_lag_ms.p50,
+        lag,
+        report.late_share,
+        report.queries.errors,
+        report.latency_ms.p99,
+        sustained,
     )
 
 

@@ -27,6 +27,7 @@ from variantbench.backends.base import GenerationRequest, GenerationResult, Load
 from variantbench.errors import UserError
 
 APIS = ("completions", "chat")
+JSON_HEADERS = {"Content-Type": "application/json"}
 READ_BUFFER_BYTES = 1 << 20
 
 
@@ -146,7 +147,8 @@ class OpenAIBackend:
         parts: list[str] = []
         usage: dict[str, Any] | None = None
         try:
-            async with client.post(path, json=body) as resp:
+            # the body encoded here, once: aiohttp's JSON payload would encode it on the loop's turn
+            async with client.post(path, data=json.dumps(body).encode(), headers=JSON_HEADERS) as resp:
                 if resp.status != 200:
                     detail = (await resp.content.read(200)).decode("utf-8", "replace").strip()
                     return _error(req, start, f"HTTP {resp.status}: {detail}")

@@ -22,6 +22,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import gc
 import math
 import random
 import sys
@@ -341,6 +342,11 @@ def run_scenario(
     # The dispatcher shares the interpreter with the executor: on a timed schedule, a short GIL
     # switch interval lets it wake on time (the default 5 ms would make arrivals late by design).
     switch_interval = sys.getswitchinterval()
+    # A process that has loaded torch and transformers holds millions of objects: a full garbage
+    # collection walks them all and stalls every thread for tens of milliseconds, which shows up
+    # as dispatch lag. Freeze what exists now, so collections during the run see only new objects.
+    gc.collect()
+    gc.freeze()
     if s.scenario == "server":
         sys.setswitchinterval(min(switch_interval, 0.0002))
     try:
@@ -438,6 +444,7 @@ def run_scenario(
         ended = time.perf_counter_ns()
     finally:
         sys.setswitchinterval(switch_interval)
+        gc.unfreeze()
         executor.close()
     records.sort(key=lambda r: r.index)
     return RunLog(
