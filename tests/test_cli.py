@@ -76,14 +76,18 @@ def test_not_a_model_folder(tmp_path: Path) -> None:
 def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
     proc = _cli(
-        "run", "--model", str(tiny_model_dir), "--variants", "fp32,int8,bf16",
-        "--tasks", "4", "--warmup", "1", "--max-new-tokens", "6", "--out", str(out),
+        "run", "--model", str(tiny_model_dir), "--variants", "int8,fp32,bf16",
+        "--tasks", "4", "--warmup", "1", "--max-new-tokens", "6", "--input-lengths", "uniform:64-256",
+        "--mix", "qa=1,classification=1", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["schema_version"] == "1.0"
+    # the standard runs first whatever the order given: the others are compared with it
     assert [r["variant"] for r in report["runs"]] == ["fp32", "int8", "bf16"]
+    assert report["workload"]["tasks"] == {"qa": 2, "classification": 2}
+    assert 64 <= report["workload"]["input_tokens"]["min"] <= report["workload"]["input_tokens"]["max"] <= 256
     for run in report["runs"]:
         assert run["status"] == "ok"
         for key in ("latency_ms", "ttft_ms", "tpot_ms", "throughput", "quality", "resources", "queries"):
@@ -91,9 +95,21 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
         assert set(run["latency_ms"]) >= {"p50", "p90", "p99", "mean"}
         assert run["latency_ms"]["p50"] > 0 and run["ttft_ms"]["p50"] > 0
         assert run["throughput"]["qps"] > 0 and run["throughput"]["output_tokens_per_s"] > 0
-        assert set(run["quality"]) >= {"bleu", "rouge1", "rouge2", "rougeL"}
+        assert set(run["quality"]) >= {"bleu", "rouge1", "rouge2", "rougeL", "exact_match", "f1", "accuracy",
+                                       "composite", "perplexity", "kl_mean", "kl_p99", "top1_agreement"}  # fmt: skip
+        assert run["quality"]["perplexity"] > 1 and run["quality"]["scored"] == 4
+        assert set(run["per_task"]) == {"qa", "classification"}
+        assert run["per_task"]["qa"]["queries"] == 2 and run["per_task"]["qa"]["latency_ms"]["p50"] > 0
+        gate = run["quality_vs_standard"]
+        assert gate["standard"] == "fp32" and gate["gate"] in (
+            ("n/a",) if run["variant"] == "fp32" else ("PASS", "FAIL")
+        )
         assert run["resources"]["startup_s"] > 0 and run["resources"]["peak_rss_bytes"] > 0
         assert run["queries"] == {"issued": 4, "completed": 4, "errors": 0}
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert runs["fp32"]["quality"]["top1_agreement"] == 1.0 and runs["fp32"]["quality"]["kl_mean"] < 1e-3
+    assert runs["int8"]["quality"]["kl_mean"] > runs["fp32"]["quality"]["kl_mean"]
+    assert "quality" in proc.stdout and "per task" in proc.stdout
     sizes = {r["variant"]: r["resources"]["param_bytes"] for r in report["runs"]}
     assert sizes["bf16"] * 2 == sizes["fp32"] and sizes["int8"] < sizes["fp32"]
     lines = (out / "queries.jsonl").read_text().splitlines()
@@ -139,6 +155,12 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
         (["--latency-percentile", "100"], "--latency-percentile"),
         (["--latency-percentile", "0"], "--latency-percentile"),
         (["--scenario", "bursty"], "unknown scenario"),
+        (["--mix", "qa=1,poetry=2"], "unknown task 'poetry'"),
+        (["--mix", "qa"], "task=weight"),
+        (["--input-lengths", "lognormal:3"], "cannot read input lengths"),
+        (["--input-lengths", "uniform:900-100"], "low <= high"),
+        (["--quality-threshold", "120"], "--quality-threshold"),
+        (["--accuracy-log", "0"], "--accuracy-log"),
     ],
 )
 def test_bad_load_settings(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -150,7 +172,7 @@ def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> 
     proc = _cli(
         "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "20",
         "--tasks", "6", "--min-queries", "30", "--max-new-tokens", "4", "--latency-target-ms", "2000",
-        "--window", "10", "--no-isolate", "--out", str(out),
+        "--window", "10", "--no-isolate", "--input-lengths", "fixed:64", "--no-fidelity", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = json.loads((out / "report.json").read_text())["runs"][0]

@@ -30,7 +30,7 @@ class FlakyBackend(TorchBackend):
 
 @pytest.fixture(scope="module")
 def library() -> SyntheticLibrary:
-    return SyntheticLibrary(n=6, seed=3, min_words=20, max_words=60)
+    return SyntheticLibrary(n=6, seed=3, tokens=(20, 60))
 
 
 def test_query_log_has_one_line_per_issued_query_including_failures(
@@ -92,15 +92,3 @@ def test_sample_order_is_seeded_and_covers_the_library() -> None:
     assert a == b and len(a) == 12
     assert sorted(a[:5]) == list(range(5)) and sorted(a[5:10]) == list(range(5))
     assert sample_order(5, 12, seed=8) != a
-
-
-def test_synthetic_library_is_deterministic_and_answerable() -> None:
-    one, two = SyntheticLibrary(n=9, seed=5), SyntheticLibrary(n=9, seed=5)
-    assert [one.sample(i) for i in range(9)] == [two.sample(i) for i in range(9)]
-    assert {one.sample(i).task for i in range(9)} == {"generation", "qa", "summarization"}
-    for i in range(9):
-        s = one.sample(i)
-        if s.task == "qa":
-            answer = s.reference.removeprefix("the ")
-            assert answer in s.prompt  # the answer is a span of the document
-    assert SyntheticLibrary(n=9, seed=6).sample(0) != one.sample(0)

@@ -61,7 +61,7 @@ def test_timeout_is_an_error_result(server) -> None:
 
 
 def test_server_scenario_over_http(server) -> None:
-    library = SyntheticLibrary(n=10, seed=0, min_words=5, max_words=10)
+    library = SyntheticLibrary(n=10, seed=0, tokens=(16, 24))
     backend = OpenAIBackend(server.url)
     backend.load()
     settings = LoadSettings(scenario="server", rate_qps=100, min_queries=150, max_queries=150, warmup=2,
@@ -126,7 +126,7 @@ def test_cli_endpoint_run_writes_the_report(server, tmp_path: Path) -> None:
 
 
 def test_concurrency_cap_over_http_turns_waiting_into_lag(server) -> None:
-    library = SyntheticLibrary(n=10, seed=0, min_words=5, max_words=10)
+    library = SyntheticLibrary(n=10, seed=0, tokens=(16, 24))
     backend = OpenAIBackend(server.url)
     backend.load()
     # each answer takes >= 12 ms (6 tokens x 2 ms); 200/s with one slot cannot keep up

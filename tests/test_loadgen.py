@@ -65,7 +65,7 @@ class SleepSystem:
 
 @pytest.fixture(scope="module")
 def library() -> SyntheticLibrary:
-    return SyntheticLibrary(n=20, seed=0, min_words=10, max_words=20)
+    return SyntheticLibrary(n=20, seed=0, tokens=(16, 32))
 
 
 def test_poisson_schedule_has_target_rate_and_exponential_gaps() -> None:

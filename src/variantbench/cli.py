@@ -85,6 +85,41 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
     isolate: Annotated[bool, typer.Option(help="Run each variant in its own process")] = True,
+    workload: Annotated[
+        Path | None,
+        typer.Option(help="JSONL prompts, SQuAD JSON/JSONL or CNN/DailyMail CSV/JSONL instead of synthetic"),
+    ] = None,
+    skip_bad_lines: Annotated[
+        bool, typer.Option(help="run a workload file on its good records only, reporting the bad")
+    ] = False,
+    mix: Annotated[
+        str | None, typer.Option(help="synthetic task mix, e.g. qa=0.4,summarization=0.3,generation=0.3")
+    ] = None,
+    input_lengths: Annotated[
+        str,
+        typer.Option(help="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N"),
+    ] = "uniform:128-2048",
+    tokenizer: Annotated[
+        str | None, typer.Option(help="tokenizer folder that counts input lengths for --endpoint runs")
+    ] = None,
+    quality_threshold: Annotated[
+        float, typer.Option(help="gate: quality at least this % of the standard's (99 or 99.9)")
+    ] = 99.0,
+    length_tolerance: Annotated[
+        float, typer.Option(help="gate: mean output length within this ±% of the standard's")
+    ] = 10.0,
+    accuracy_log: Annotated[
+        float, typer.Option(help="share of timed queries whose output is kept and scored, (0,1]")
+    ] = 1.0,
+    accuracy_only: Annotated[
+        bool, typer.Option(help="score every sample once, untimed (no speed figures)")
+    ] = False,
+    fidelity: Annotated[
+        bool, typer.Option(help="logit fidelity: perplexity, KL and top-1 agreement vs the standard")
+    ] = True,
+    fidelity_text: Annotated[
+        Path | None, typer.Option(help="held-out text for logit fidelity (default: pydoc_data.topics)")
+    ] = None,
 ) -> None:
     """Build the variants, measure them side by side, print the comparison and write the report."""
     from variantbench.config import make_plan
@@ -127,6 +162,17 @@ def run(
             device=device,
             threads=threads,
             isolate=isolate,
+            workload=workload,
+            skip_bad_lines=skip_bad_lines,
+            mix=mix,
+            input_lengths=input_lengths,
+            tokenizer=tokenizer,
+            quality_threshold=quality_threshold,
+            length_tolerance=length_tolerance,
+            accuracy_log=accuracy_log,
+            accuracy_only=accuracy_only,
+            fidelity=fidelity,
+            fidelity_text=fidelity_text,
         )
         from variantbench.models import parse_model
         from variantbench.runner import check_writable, execute
@@ -143,12 +189,15 @@ def run(
     except UserError as exc:
         _fail(str(exc))
         return
-    from variantbench.report.console import comparison_table
+    from variantbench.report.console import comparison_table, quality_table, task_table
 
     stdout = Console()
     if not stdout.is_terminal:
         stdout = Console(width=160)  # a file or pipe: don't squeeze the table to 80 columns
-    stdout.print(comparison_table(report))
+    if not plan.accuracy_only:
+        stdout.print(comparison_table(report))
+    stdout.print(quality_table(report))
+    stdout.print(task_table(report))
     console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
     for r in report.runs:
         if r.peak is not None:

@@ -53,6 +53,39 @@ class RunPlan(BaseModel):
     device: str = "cpu"
     threads: PositiveInt | None = None
     isolate: bool = Field(True, description="run each variant in its own process")
+    # workload and quality (issue 4)
+    workload: Path | None = Field(
+        None, description="JSONL / JSON (SQuAD) / CSV (CNN) file instead of synthetic"
+    )
+    skip_bad_lines: bool = False
+    mix: str | None = Field(
+        None, description="synthetic task mix, e.g. qa=0.4,summarization=0.3,generation=0.3"
+    )
+    input_lengths: str = Field("uniform:128-2048", description="synthetic input lengths in tokens")
+    tokenizer: str | None = Field(None, description="tokenizer folder to count lengths (endpoint runs)")
+    quality_threshold: float = Field(99.0, gt=0, le=100, description="gate: % of the standard's quality")
+    length_tolerance: float = Field(10.0, ge=0, le=100, description="gate: mean output length within ±%")
+    accuracy_log: float = Field(1.0, gt=0, le=1, description="share of timed queries whose output is scored")
+    accuracy_only: bool = False
+    fidelity: bool = True
+    fidelity_text: Path | None = None
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, value: str | None) -> str | None:
+        if value is not None:
+            from variantbench.workloads import TASKS, parse_mix
+
+            parse_mix(value, TASKS)
+        return value
+
+    @field_validator("input_lengths")
+    @classmethod
+    def _lengths(cls, value: str) -> str:
+        from variantbench.workloads import parse_lengths
+
+        parse_lengths(value)
+        return value
 
     @field_validator("variants")
     @classmethod
@@ -91,6 +124,10 @@ class RunPlan(BaseModel):
             raise ValueError("--max-queries is below the minimum number of queries")
         if self.max_duration is not None and self.max_duration < self.min_duration:
             raise ValueError("--max-duration is below --min-duration")
+        if self.workload is not None and self.mix is not None:
+            raise ValueError("--mix shapes the synthetic workload; a --workload file brings its own tasks")
+        if self.accuracy_only and self.find_peak:
+            raise ValueError("--accuracy-only scores every sample once, untimed: it has no peak to find")
         return self
 
     @property

@@ -28,10 +28,11 @@ from variantbench.config import RunPlan
 from variantbench.errors import UserError
 from variantbench.loadgen.harness import LoadSettings
 from variantbench.loadgen.records import QueryLog, QueryRecord
+from variantbench.paths import cache_root
 from variantbench.report.mlperf import run_summary
 from variantbench.report.schema import PeakSearch, Report, Resources, RunReport
-from variantbench.report.summary import Criteria, summarize_run
-from variantbench.workloads.synthetic import SyntheticLibrary
+from variantbench.report.summary import Criteria, compare_to_standard, summarize_run
+from variantbench.workloads.base import Workload
 
 Emit = Callable[[tuple[Any, ...]], None]
 
@@ -44,8 +45,7 @@ class VariantJob:
     variant: str
     device: str
     threads: int | None
-    tasks: int
-    seed: int
+    workload: Workload
     log_path: str
     load: LoadSettings
     endpoint: str | None = None
@@ -54,6 +54,8 @@ class VariantJob:
     request_timeout: float = 120.0
     find_peak: bool = False
     criteria: Criteria | None = None
+    fidelity: Any = None  # FidelitySpec, or None to skip logit fidelity
+    is_standard: bool = False
 
     def backend(self) -> Any:
         if self.endpoint:
@@ -71,7 +73,7 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     from variantbench.loadgen.harness import run_scenario
     from variantbench.trackers.memory import RssTracker
 
-    library = SyntheticLibrary(n=job.tasks, seed=job.seed)
+    library = job.workload
     backend = job.backend()
     emit(("status", f"loading {job.variant}"))
     try:
@@ -87,6 +89,12 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
                 result, trials = _find_peak(job, backend, library, log, progress, emit)
             else:
                 result = run_scenario(backend, library, job.load, log, progress=progress)
+        fidelity = None
+        if job.fidelity is not None and hasattr(backend, "token_log_probs"):
+            from variantbench.metrics.fidelity import measure
+
+            emit(("status", "logit fidelity"))
+            fidelity = measure(backend, job.fidelity, job.is_standard)
     finally:
         backend.close()
     return {
@@ -95,6 +103,7 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
         "load_settings": {"rate_qps": result.target_qps},
         "records": [r.to_json() for r in result.records],
         "seeds": result.seeds,
+        "fidelity": fidelity,
         "load": asdict(load),
         "resources": {
             "startup_s": load.startup_s,
@@ -181,8 +190,11 @@ def criteria_for(plan: RunPlan, seeds: dict[str, int] | None = None) -> Criteria
     )
 
 
-def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunReport:
+def _summarize(
+    job: VariantJob, payload: dict[str, Any], plan: RunPlan
+) -> tuple[RunReport, list[QueryRecord]]:
     records = [QueryRecord.from_json(r) for r in payload["records"]]
+    fidelity = payload.get("fidelity") or {}
     criteria = replace(criteria_for(plan, payload["seeds"]), target_qps=payload["load_settings"]["rate_qps"])
     run = summarize_run(
         payload.get("name") or job.variant,
@@ -191,17 +203,24 @@ def _summarize(job: VariantJob, payload: dict[str, Any], plan: RunPlan) -> RunRe
         backend=payload["load"].get("details", {}),
         scenario=job.load.scenario,
         criteria=criteria,
+        fidelity={k: fidelity.get(k) for k in ("perplexity", "kl_mean", "kl_p99", "top1_agreement")},
     )
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
-    return run
+    return run, records
 
 
-def load_settings(plan: RunPlan, run_id: str) -> LoadSettings:
+def load_settings(plan: RunPlan, run_id: str, n_samples: int | None = None) -> LoadSettings:
+    """The harness's settings; ``n_samples`` is the workload's size (one pass by default)."""
+    n = n_samples or plan.tasks
+    if plan.accuracy_only:  # every sample once, untimed: all at once, batched as the backend likes
+        return LoadSettings(scenario="offline", min_queries=n, max_queries=n, warmup=0,
+                            max_batch_size=plan.max_batch_size, sample_seed=plan.seed,
+                            max_new_tokens=plan.max_new_tokens, run_id=run_id)  # fmt: skip
     return LoadSettings(
         scenario=plan.scenario,
-        min_queries=plan.min_queries or plan.tasks,
+        min_queries=plan.min_queries or n,
         max_queries=plan.max_queries,
         min_duration_s=plan.min_duration,
         max_duration_s=plan.max_duration,
@@ -215,6 +234,7 @@ def load_settings(plan: RunPlan, run_id: str) -> LoadSettings:
         sample_seed=plan.seed,
         max_new_tokens=plan.max_new_tokens,
         run_id=run_id,
+        accuracy_share=plan.accuracy_log,
     )
 
 
@@ -297,6 +317,10 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
 
     console = console or Console(stderr=True)
     check_writable(plan.out)
+    # a bad workload file or fidelity text stops the run before any model is converted or loaded
+    checked = _load_file(plan, console) if plan.workload else None
+    if plan.fidelity_text is not None and not plan.fidelity_text.is_file():
+        raise UserError(f"fidelity text not found: {plan.fidelity_text}")
     if plan.endpoint:
         from variantbench.backends.openai_http import OpenAIBackend
 
@@ -311,7 +335,9 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
         model_dir = str(
             prepare_model(spec, status=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True))
         )
-    library = SyntheticLibrary(n=plan.tasks, seed=plan.seed)
+    library = build_workload(
+        plan, model_dir, say=lambda msg: console.print(f"[dim]{msg}[/dim]"), checked=checked
+    )
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     report = Report(
         tool_version=__version__,
@@ -334,23 +360,38 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
         console=console,
         transient=False,
     )
+    # the standard runs first: the others are compared with its answers and its distributions
+    order = (
+        (spec.name,) if plan.endpoint else (plan.standard, *(v for v in plan.variants if v != plan.standard))
+    )
+    fidelity = None
+    if plan.fidelity and not plan.endpoint:
+        from variantbench.metrics.fidelity import FidelitySpec
+
+        fidelity = FidelitySpec(
+            text_path=str(plan.fidelity_text) if plan.fidelity_text else None,
+            cache_dir=str(cache_root() / "fidelity"),
+            model_key=model_dir,
+        )
+    standard_records: list[QueryRecord] | None = None
     with progress:
-        for variant in (spec.name,) if plan.endpoint else plan.variants:
+        for variant in order:
             job = VariantJob(
                 model_dir=model_dir,
                 variant=variant,
                 device=plan.device,
                 threads=plan.threads,
-                tasks=plan.tasks,
-                seed=plan.seed,
+                workload=library,
                 log_path=str(log_path),
-                load=load_settings(plan, run_id),
+                load=load_settings(plan, run_id, len(library)),
                 endpoint=plan.endpoint,
                 endpoint_model=spec.name if plan.endpoint else None,
                 api=plan.api,
                 request_timeout=plan.request_timeout,
                 find_peak=plan.find_peak,
                 criteria=criteria_for(plan),
+                fidelity=fidelity,
+                is_standard=variant == report.standard,
             )
             display = _Display(progress, variant)
             started = time.perf_counter()
@@ -358,7 +399,16 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
                 # an endpoint run loads nothing here: measuring it from this process is enough
                 isolated = plan.isolate and not plan.endpoint
                 payload = (_run_isolated if isolated else _run_inline)(job, display)
-                run = _summarize(job, payload, plan)
+                run, records = _summarize(job, payload, plan)
+                standard_run = report.run(report.standard)
+                if variant == report.standard:
+                    standard_records = records
+                    run.quality_vs_standard = compare_to_standard(run, records, run, records)
+                elif standard_run is not None and standard_run.status == "ok" and standard_records:
+                    run.quality_vs_standard = compare_to_standard(
+                        run, records, standard_run, standard_records,
+                        threshold=plan.quality_threshold / 100, length_tolerance=plan.length_tolerance / 100,
+                    )  # fmt: skip
                 (plan.out / f"mlperf_log_summary.{_safe(variant)}.txt").write_text(run_summary(report, run))
                 progress.update(display.task, description=f"{variant}: done ({run.validity.verdict})")
             except Exception as exc:
@@ -368,3 +418,44 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
             report.runs.append(run)
             report.write(report_path)
     return report
+
+
+def _load_file(plan: RunPlan, console: Console) -> Workload:
+    from variantbench.workloads.files import load_workload_file
+
+    assert plan.workload is not None
+    return load_workload_file(
+        plan.workload,
+        skip_bad=plan.skip_bad_lines,
+        warn=lambda msg: console.print(f"[yellow]{msg}[/yellow]", highlight=False, soft_wrap=True),
+    )
+
+
+def build_workload(
+    plan: RunPlan, model_dir: str, say: Callable[[str], None], checked: Workload | None = None
+) -> Workload:
+    """The plan's workload, lengths counted with the model's tokenizer when there is one."""
+    from variantbench.workloads import TASKS, build_synthetic, parse_lengths, parse_mix
+    from variantbench.workloads.base import tokenizer_counter
+
+    tokenizer_dir = plan.tokenizer or model_dir or None
+    counter = None
+    if tokenizer_dir:
+        try:
+            counter = tokenizer_counter(tokenizer_dir)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a bad --tokenizer
+            raise UserError(f"cannot load a tokenizer from {tokenizer_dir}: {exc}".splitlines()[0]) from None
+    if checked is not None:
+        if counter is None:
+            return checked
+        samples = tuple(replace(s, input_tokens=counter(s.prompt)) for s in checked.samples)
+        return replace(checked, samples=samples, info={**checked.info, "counted_with": tokenizer_dir})
+    say(f"building the synthetic workload: {plan.tasks} samples, {plan.input_lengths} input tokens")
+    return build_synthetic(
+        plan.tasks,
+        plan.seed,
+        mix=parse_mix(plan.mix, TASKS) if plan.mix else None,
+        lengths=parse_lengths(plan.input_lengths),
+        counter=counter,
+        counted_with=tokenizer_dir,
+    )

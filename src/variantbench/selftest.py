@@ -44,7 +44,7 @@ class NullSystem:
 
 
 def _library() -> SyntheticLibrary:
-    return SyntheticLibrary(n=64, seed=0, min_words=5, max_words=10)
+    return SyntheticLibrary(n=64, seed=0, tokens=(16, 24))
 
 
 @dataclass

@@ -269,6 +269,25 @@ class LlamaDecoder:
     # ---- public ----------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def log_probs(self, ids: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities at every position of one sequence: float32 [len(ids), vocab]."""
+        if not ids:
+            raise ValueError("empty sequence")
+        seq = len(ids)
+        x = self._embed(torch.tensor([list(ids)], dtype=torch.long, device=self.device))
+        max_kv = max(layer.n_kv_heads for layer in self.layers) if self.layers else 1
+        storage = torch.zeros(
+            len(self.layers), 2, 1, max_kv, seq, self.head_dim, dtype=self.dtype, device=self.device
+        )
+        cache = [
+            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
+            for i, layer in enumerate(self.layers)
+        ]
+        positions = torch.arange(seq, device=self.device).unsqueeze(0)
+        hidden = self._forward(x, positions, cache, 0, None, seq > 1, seq - 1)
+        return torch.log_softmax(self._logits(hidden[0]), dim=-1)
+
+    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

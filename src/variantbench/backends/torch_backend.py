@@ -127,6 +127,15 @@ class TorchBackend:
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return list(tok(request.prompt)["input_ids"])
 
+    def token_log_probs(self, ids: list[int]) -> Any:
+        """Next-token log-probabilities at every position (logit fidelity): float32 [len(ids), vocab]."""
+        if self._decoder is None:
+            raise RuntimeError("token_log_probs() before load()")
+        return self._decoder.log_probs(ids).cpu()
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if self._decoder is None:
             raise RuntimeError("generate() before load()")

@@ -62,6 +62,8 @@ class LoadSettings:
     max_new_tokens: int | None = None
     drain_timeout_s: float = 600.0  # after the last issue, how long outstanding queries may take
     run_id: str = "run"
+    # MLPerf's accuracy log: the share of queries whose output is kept and scored (seeded choice)
+    accuracy_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -74,6 +76,8 @@ class LoadSettings:
             raise ValueError("max_queries must be at least min_queries")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
+        if not 0 < self.accuracy_share <= 1:
+            raise ValueError("accuracy_share must be in (0, 1]")
 
 
 @dataclass
@@ -261,7 +265,10 @@ def sample_order(n_library: int, n_queries: int, seed: int) -> list[int]:
 
 def _request(sample: Sample, tag: str, max_new_tokens: int | None) -> GenerationRequest:
     return GenerationRequest(
-        request_id=tag, prompt=sample.prompt, max_new_tokens=max_new_tokens or sample.max_new_tokens
+        request_id=tag,
+        prompt=None if sample.messages else sample.prompt,
+        messages=sample.messages,
+        max_new_tokens=max_new_tokens or sample.max_new_tokens,
     )
 
 
@@ -329,7 +336,7 @@ def run_scenario(
             r.input_tokens = result.input_tokens
             r.output_tokens = result.output_tokens
             r.token_ms = [(max(t, r.issued_ns) - r.issued_ns) / 1e6 for t in result.token_ns]
-            r.output = result.text
+            r.output = result.text if r.scored else ""  # outside the accuracy log: not kept
         else:
             r.input_tokens = result.input_tokens
 
@@ -369,6 +376,8 @@ def run_scenario(
         query = 0
         sample_cursor = 0
 
+        accuracy_pick = random.Random(f"accuracy-log-{s.sample_seed}")
+
         def make(query_index: int, scheduled: int) -> list[_Pending]:
             nonlocal sample_cursor
             group = []
@@ -380,6 +389,8 @@ def run_scenario(
                     sample_id=sample.sample_id, task=sample.task, status="pending", error=None,
                     scheduled_ns=scheduled, issued_ns=0, first_token_ns=None, completed_ns=0,
                     input_tokens=0, output_tokens=0, reference=sample.reference, query=query_index,
+                    alternatives=list(sample.alternatives),
+                    scored=s.accuracy_share >= 1 or accuracy_pick.random() < s.accuracy_share,
                 )  # fmt: skip
                 group.append(_Pending(rec, _request(sample, f"q{sample_cursor - 1}", s.max_new_tokens)))
             return group

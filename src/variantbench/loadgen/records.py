@@ -30,6 +30,8 @@ class QueryRecord:
     output: str = ""
     reference: str = ""
     query: int = -1  # the query this sample belongs to (multi-stream groups samples; else = index)
+    alternatives: list[str] = field(default_factory=list)  # further accepted answers
+    scored: bool = True  # in the accuracy log: its output is kept and scored
 
     @property
     def latency_ms(self) -> float:

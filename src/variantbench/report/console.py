@@ -28,7 +28,7 @@ def comparison_table(report: Report) -> Table:
     table = Table(
         title=f"variantbench: {report.model.get('name')} - {report.plan.get('scenario', 'single-stream')}, "
         f"standard = {report.standard}",
-        caption="ratios against the standard; green is better. BLEU 0-100, ROUGE-L F 0-1.",
+        caption="ratios against the standard; green is better.",
     )
     columns = [
         ("variant", "left"),
@@ -40,8 +40,6 @@ def comparison_table(report: Report) -> Table:
         ("out\ntok/s", "right"),
         ("prefill\ntok/s", "right"),
         ("decode\ntok/s", "right"),
-        ("BLEU", "right"),
-        ("ROUGE-L", "right"),
         ("startup\ns", "right"),
         ("peak RSS\nMB", "right"),
         ("params\nMB", "right"),
@@ -57,7 +55,7 @@ def comparison_table(report: Report) -> Table:
 
 def _row(run: RunReport, base: RunReport | None) -> list[str]:
     if run.status != "ok":
-        return [run.variant, run.weight_format or "-", f"[red]failed: {run.error}[/red]"] + [""] * 13
+        return [run.variant, run.weight_format or "-", f"[red]failed: {run.error}[/red]"] + [""] * 11
 
     def cmp(get, higher_is_better: bool, fmt: str = "{:.1f}") -> str:  # noqa: ANN001
         value = get(run)
@@ -74,11 +72,94 @@ def _row(run: RunReport, base: RunReport | None) -> list[str]:
         cmp(lambda r: r.throughput.output_tokens_per_s, True),
         cmp(lambda r: r.speed.prefill_tokens_per_s, True, "{:.0f}"),
         cmp(lambda r: r.speed.decode_tokens_per_s, True),
-        _num(run.quality.bleu),
-        _num(run.quality.rougeL, "{:.3f}"),
         _num(run.resources.startup_s),
         cmp(lambda r: (r.resources.peak_rss_bytes or 0) / mb or None, False, "{:.0f}"),
         cmp(lambda r: (r.resources.param_bytes or 0) / mb or None, False, "{:.0f}"),
         str(run.queries.errors),
         "[green]VALID[/green]" if run.validity.verdict == "VALID" else "[red]INVALID[/red]",
     ]
+
+
+def _gate(run: RunReport) -> str:
+    q = run.quality_vs_standard
+    if q is None or q.gate == "n/a":
+        return "standard" if q is not None and q.standard == run.variant else "-"
+    colour = "green" if q.gate == "PASS" else "red"
+    return f"[{colour}]{q.gate}[/{colour}]"
+
+
+def quality_table(report: Report) -> Table:
+    """Quality against the references, against the standard (the gates), and logit fidelity."""
+    threshold = next(
+        (r.quality_vs_standard.quality_threshold for r in report.runs if r.quality_vs_standard), 0.99
+    )
+    table = Table(
+        title=f"quality - standard = {report.standard}",
+        caption=(
+            f"composite = 0.5 BLEU/100 + 0.5 ROUGE-L. Gate: quality >= {threshold:.1%} of the standard's and "
+            "mean output length within the tolerance, on the same samples. Agreement: ROUGE-L against the "
+            "standard's answers. Fidelity on a held-out text: perplexity, KL(standard||variant) in nats, "
+            "top-1 agreement."
+        ),
+    )
+    for name in ("variant", "scored", "BLEU", "ROUGE-L", "QA EM", "QA F1", "class.\nacc.", "composite",
+                 "vs std", "length\nvs std", "agree\nROUGE-L", "gate", "ppl", "KL mean", "KL p99", "top-1"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("variant", "gate") else "right")
+    for run in report.runs:
+        if run.status != "ok":
+            table.add_row(run.variant, f"[red]failed: {run.error}[/red]", *[""] * 14)
+            continue
+        q, v = run.quality, run.quality_vs_standard
+        table.add_row(
+            run.variant,
+            str(q.scored),
+            _num(q.bleu),
+            _num(q.rougeL, "{:.3f}"),
+            _num(q.exact_match, "{:.2f}"),
+            _num(q.f1, "{:.2f}"),
+            _num(q.accuracy, "{:.2f}"),
+            _num(q.composite, "{:.3f}"),
+            _num(v.ratio if v else None, "{:.1%}"),
+            _num(v.length_ratio if v else None, "{:.1%}"),
+            _num(v.agreement_rougeL if v else None, "{:.3f}"),
+            _gate(run),
+            _num(q.perplexity, "{:.2f}"),
+            _num(q.kl_mean, "{:.4f}"),
+            _num(q.kl_p99, "{:.4f}"),
+            _num(q.top1_agreement, "{:.1%}"),
+        )
+    return table
+
+
+TASK_SCORE = {"qa": ("F1", "f1"), "classification": ("accuracy", "accuracy")}
+
+
+def task_table(report: Report) -> Table:
+    """Per task type: latency, decode rate and the task's own quality score, per variant."""
+    table = Table(
+        title="per task",
+        caption="score: QA token F1, classification accuracy, else ROUGE-L; tok/s = output tokens / "
+        "the time of that task's queries.",
+    )
+    for name in ("variant", "task", "queries", "input tok\np50", "p50 ms", "p99 ms", "TTFT p50\nms",
+                 "out tok/s", "score", "composite"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("variant", "task") else "right")
+    for run in report.runs:
+        if run.status != "ok":
+            continue
+        for task, t in run.per_task.items():
+            label, key = TASK_SCORE.get(task, ("ROUGE-L", "rougeL"))
+            score = getattr(t.quality, key)
+            table.add_row(
+                run.variant,
+                task,
+                str(t.queries),
+                _num(t.input_tokens.p50, "{:.0f}"),
+                _num(t.latency_ms.p50, "{:.0f}"),
+                _num(t.latency_ms.p99, "{:.0f}"),
+                _num(t.ttft_ms.p50, "{:.0f}"),
+                _num(t.output_tokens_per_s),
+                "-" if score is None else f"{score:.3f} {label}",
+                _num(t.quality.composite, "{:.3f}"),
+            )
+    return table

@@ -43,10 +43,46 @@ class Speed(_Model):
 
 
 class Quality(_Model):
+    """Against the references (see metrics/quality.py), plus logit fidelity against the standard."""
+
+    scored: int = 0  # answers with a reference that were scored
     bleu: float | None = None  # sacrebleu corpus BLEU, 0-100
     rouge1: float | None = None  # mean F-measure, 0-1
     rouge2: float | None = None
     rougeL: float | None = None  # noqa: N815 - the metric's own name
+    exact_match: float | None = None  # QA, SQuAD normalization, 0-1
+    f1: float | None = None  # QA token F1, 0-1
+    accuracy: float | None = None  # classification, 0-1
+    composite: float | None = None  # 0.5 * BLEU/100 + 0.5 * ROUGE-L, 0-1
+    perplexity: float | None = None  # of the held-out fidelity text
+    kl_mean: float | None = None  # KL(standard || variant) per scored token, nats
+    kl_p99: float | None = None
+    top1_agreement: float | None = None  # share of positions whose argmax is the standard's
+
+
+class QualityVsStandard(_Model):
+    """MLPerf-style gates against the standard variant on the same samples."""
+
+    standard: str
+    agreement_rougeL: float | None = None  # noqa: N815 - ROUGE-L of this variant's answers vs the standard's
+    identical: float | None = None  # share of answers identical to the standard's
+    ratio: float | None = None  # composite quality / the standard's
+    length_ratio: float | None = None  # mean output tokens / the standard's, same samples
+    quality_threshold: float = 0.99
+    length_tolerance: float = 0.10
+    gate: str = "n/a"  # "PASS" | "FAIL" | "n/a" (the standard itself, or nothing to compare)
+    reasons: list[str] = Field(default_factory=list)
+
+
+class TaskReport(_Model):
+    """One task type of a mixed workload: its latency, its per-query decode rate, its quality."""
+
+    queries: int = 0
+    latency_ms: Tail = Field(default_factory=Tail)
+    ttft_ms: Tail = Field(default_factory=Tail)
+    input_tokens: Tail = Field(default_factory=Tail)
+    output_tokens_per_s: float | None = None  # output tokens / the time of those queries
+    quality: Quality = Field(default_factory=Quality)
 
 
 class Resources(_Model):
@@ -129,6 +165,8 @@ class RunReport(_Model):
     throughput: Throughput = Field(default_factory=Throughput)
     speed: Speed = Field(default_factory=Speed)
     quality: Quality = Field(default_factory=Quality)
+    quality_vs_standard: QualityVsStandard | None = None
+    per_task: dict[str, TaskReport] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
     queries: Queries = Field(default_factory=Queries)
     input_tokens: Tail = Field(default_factory=Tail)

@@ -9,18 +9,20 @@ from itertools import groupby
 from variantbench.loadgen.records import QueryRecord
 from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
-from variantbench.metrics.quality import quality_summary
+from variantbench.metrics.quality import Scored, agreement, summarize_quality
 from variantbench.metrics.windows import stable, three_sigma, windows
 from variantbench.report.schema import (
     LagDist,
     LatencyDist,
     Outliers,
     Quality,
+    QualityVsStandard,
     Queries,
     Resources,
     RunReport,
     Speed,
     Tail,
+    TaskReport,
     Throughput,
     Validity,
     WindowReport,
@@ -62,6 +64,7 @@ def summarize_run(
     backend: dict | None = None,
     scenario: str = "single-stream",
     criteria: Criteria | None = None,
+    fidelity: dict | None = None,
 ) -> RunReport:
     crit = criteria or Criteria()
     ok = [r for r in records if r.status == "ok"]
@@ -97,8 +100,8 @@ def summarize_run(
         else None,
         decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
     )
-    # A failed query scores as an empty answer: errors must not flatter a variant's quality.
-    quality = Quality(**quality_summary([r.output for r in records], [r.reference for r in records]))
+    quality = Quality(**summarize_quality(_scored(records)), **(fidelity or {}))
+    per_task = {task: _task_report(rs) for task, rs in sorted(_by_task(records).items())}
     ws = windows(records, crit.window) if records else []
     lat_trim = three_sigma(from_sched)
     win_trim = three_sigma([w.output_tokens_per_s for w in ws if w.output_tokens_per_s is not None])
@@ -158,8 +161,95 @@ def summarize_run(
         throughput=throughput,
         speed=speed,
         quality=quality,
+        per_task=per_task,
         resources=resources,
         queries=Queries(issued=len(records), completed=len(ok), errors=errors),
         input_tokens=_tail([r.input_tokens for r in ok]),
         output_tokens=_tail([r.output_tokens for r in ok]),
     )
+
+
+def _scored(records: Sequence[QueryRecord]) -> list[Scored]:
+    """The accuracy log's answers; a failed query scores as an empty answer (errors never flatter)."""
+    return [
+        Scored(r.task, r.output if r.status == "ok" else "", r.reference, tuple(r.alternatives))
+        for r in records
+        if r.scored
+    ]
+
+
+def _by_task(records: Sequence[QueryRecord]) -> dict[str, list[QueryRecord]]:
+    out: dict[str, list[QueryRecord]] = {}
+    for r in records:
+        out.setdefault(r.task, []).append(r)
+    return out
+
+
+def _task_report(records: Sequence[QueryRecord]) -> TaskReport:
+    ok = [r for r in records if r.status == "ok"]
+    busy_s = sum(r.latency_ms for r in ok) / 1e3
+    return TaskReport(
+        queries=len(records),
+        latency_ms=_tail([r.latency_from_scheduled_ms for r in ok]),
+        ttft_ms=_tail([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        input_tokens=_tail([r.input_tokens for r in ok]),
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / busy_s if busy_s > 0 else None,
+        quality=Quality(**summarize_quality(_scored(records))),
+    )
+
+
+def compare_to_standard(
+    run: RunReport,
+    records: Sequence[QueryRecord],
+    standard: RunReport,
+    standard_records: Sequence[QueryRecord],
+    threshold: float = 0.99,
+    length_tolerance: float = 0.10,
+) -> QualityVsStandard:
+    """MLPerf-style gates: quality >= threshold x the standard's, mean output length within tolerance.
+
+    Both are taken on the samples both variants answered (first answer per sample; greedy decoding
+    answers a repeated sample the same way), so a variant cannot win by answering fewer or shorter.
+    """
+    result = QualityVsStandard(
+        standard=standard.variant, quality_threshold=threshold, length_tolerance=length_tolerance
+    )
+    if run.variant == standard.variant:
+        return result
+
+    def first_ok(rs: Sequence[QueryRecord]) -> dict[str, QueryRecord]:
+        out: dict[str, QueryRecord] = {}
+        for r in rs:
+            if r.status == "ok" and r.scored:
+                out.setdefault(r.sample_id, r)
+        return out
+
+    mine, theirs = first_ok(records), first_ok(standard_records)
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        result.reasons.append("no sample answered by both this variant and the standard")
+        return result
+    result.agreement_rougeL, result.identical = agreement(
+        [mine[k].output for k in common], [theirs[k].output for k in common]
+    ).values()
+    std_tokens = sum(theirs[k].output_tokens for k in common)
+    if std_tokens:
+        result.length_ratio = sum(mine[k].output_tokens for k in common) / std_tokens
+    base, q = standard.quality.composite, run.quality.composite
+    if base and q is not None:
+        result.ratio = q / base
+    failures = []
+    if result.ratio is not None and result.ratio < threshold:
+        failures.append(f"quality {result.ratio:.1%} of the standard's, below {threshold:.1%}")
+    if result.length_ratio is not None and abs(result.length_ratio - 1) > length_tolerance:
+        failures.append(
+            f"mean output length {result.length_ratio:.1%} of the standard's, outside ±{length_tolerance:.0%}"
+        )
+    if run.queries.errors:
+        failures.append(f"{run.queries.errors} queries failed")
+    if result.ratio is None and result.length_ratio is None:
+        result.reasons.append("no reference quality and no output length to compare")
+        return result
+    result.gate = "FAIL" if failures else "PASS"
+    result.reasons = failures
+    return result

@@ -6,17 +6,28 @@ it pickles to another process or machine; scoring is a pure function of a sample
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+import math
+from typing import Any, Protocol, runtime_checkable
+
+TASKS = ("generation", "qa", "summarization", "classification")
+# Output caps per task (new tokens); a sample may carry its own.
+MAX_NEW_TOKENS = {"generation": 64, "qa": 24, "summarization": 64, "classification": 4}
+
+TokenCounter = Callable[[str], int]
 
 
 @dataclass(frozen=True)
 class Sample:
     sample_id: str
-    task: str  # "generation" | "qa" | "summarization" | ...
+    task: str  # one of TASKS, or "custom" for a user prompt without a task
     prompt: str
-    reference: str
+    reference: str  # "" when the sample has none
     max_new_tokens: int
+    alternatives: tuple[str, ...] = ()  # further accepted answers (SQuAD lists several)
+    messages: tuple[dict[str, str], ...] | None = None  # chat samples
+    input_tokens: int | None = None  # counted by the workload's tokenizer, when it had one
 
 
 @runtime_checkable
@@ -28,6 +39,66 @@ class SampleLibrary(Protocol):
 
     def sample(self, index: int) -> Sample: ...
 
-    def score(self, sample: Sample, output: str) -> dict[str, float]: ...
-
     def describe(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A built sample library: the samples and how they were made. Plain data; pickles anywhere."""
+
+    name: str
+    seed: int
+    samples: tuple[Sample, ...]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            raise ValueError("a workload needs at least one sample")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample(self, index: int) -> Sample:
+        return self.samples[index]
+
+    def describe(self) -> dict[str, object]:
+        counts = [s.input_tokens for s in self.samples if s.input_tokens is not None]
+        tasks: dict[str, int] = {}
+        for s in self.samples:
+            tasks[s.task] = tasks.get(s.task, 0) + 1
+        return {
+            "name": self.name,
+            "seed": self.seed,
+            "samples": len(self.samples),
+            "tasks": tasks,
+            **self.info,
+            "input_tokens": token_stats(counts),
+        }
+
+
+def token_stats(counts: Sequence[int]) -> dict[str, int | None]:
+    if not counts:
+        return {"p50": None, "p99": None, "min": None, "max": None}
+    ordered = sorted(counts)
+
+    def rank(p: float) -> int:
+        return ordered[max(1, math.ceil(p / 100 * len(ordered))) - 1]
+
+    return {"p50": rank(50), "p99": rank(99), "min": ordered[0], "max": ordered[-1]}
+
+
+def tokenizer_counter(tokenizer_dir: str) -> TokenCounter:
+    """Counts tokens of a text with the model's own tokenizer (no special tokens, no chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def approximate_counter(text: str) -> int:
+    """Without a tokenizer: about 4/3 tokens per word, the usual ratio of English BPE vocabularies."""
+    return math.ceil(len(text.split()) * 4 / 3)
