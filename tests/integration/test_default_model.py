@@ -21,7 +21,7 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "variantbench", "run", "--variants", "fp32,int8", "--tasks", "3",
-         "--warmup", "1", "--max-new-tokens", "12", "--out", str(out)],
+         "--warmup", "1", "--max-new-tokens", "12", "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,5 +37,12 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
         assert run["speed"]["decode_tokens_per_s"] > 1
     # The real model answers in English words that overlap the references.
     assert fp32["quality"]["rouge1"] > 0.1
+    # lengths counted with the model's own tokenizer, within the asked range
+    tokens = report["workload"]["input_tokens"]
+    assert 128 <= tokens["min"] <= tokens["max"] <= 640 and report["workload"]["counted_with"]
+    # logit fidelity on pydoc_data.topics: a real model predicts English documentation well
+    assert 3 < fp32["quality"]["perplexity"] < 40 and fp32["quality"]["top1_agreement"] == 1.0
+    assert int8["quality"]["kl_mean"] > 0.01 and int8["quality_vs_standard"]["gate"] in ("PASS", "FAIL")
+    assert sum(t["queries"] for t in fp32["per_task"].values()) == 3
     outputs = [json.loads(line)["output"] for line in (out / "queries.jsonl").read_text().splitlines()]
     assert len(outputs) == 6 and all(o.strip() for o in outputs)
