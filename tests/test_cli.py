@@ -189,3 +189,26 @@ def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> 
     assert run["queries"]["issued"] == 30
     summary = (out / "mlperf_log_summary.fp32.txt").read_text()
     assert "Scenario : server" in summary and "Result is :" in summary
+
+
+def test_accuracy_only_scores_every_sample_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    proc = _cli(
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--accuracy-only", "--tasks", "7",
+        "--max-new-tokens", "3", "--input-lengths", "fixed:64", "--no-fidelity", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "quality" in proc.stdout and "p50 ms" not in proc.stdout  # no speed table for an untimed pass
+    lines = [json.loads(x) for x in (out / "queries.jsonl").read_text().splitlines()]
+    assert sorted(x["sample_id"] for x in lines) == sorted(f"synthetic-0-{i}" for i in range(7))
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    assert run["quality"]["scored"] == 7 and run["queries"]["issued"] == 7
+
+
+def test_bad_workload_file_stops_before_measuring(tmp_path: Path) -> None:
+    bad = tmp_path / "w.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
+    out = tmp_path / "out"
+    proc = _cli("run", "--workload", str(bad), "--out", str(out))
+    _assert_user_error(proc, "line 2: 'prompt' must be a non-empty string")
+    assert not (out / "queries.jsonl").exists()

@@ -199,3 +199,29 @@ def test_truncated_answers_fail_the_length_gate() -> None:
     # the per-task breakdown carries the task's own latency and quality
     assert std.per_task["summarization"].queries == 6 and std.per_task["summarization"].latency_ms.p50 == 10.0
     assert std.per_task["summarization"].output_tokens_per_s == pytest.approx(12 / 0.01)
+
+
+# ---- the accuracy log ------------------------------------------------------------------------------
+
+
+def test_accuracy_log_keeps_a_seeded_share() -> None:
+    from variantbench.loadgen.harness import LoadSettings, run_scenario
+    from variantbench.selftest import NullSystem
+    from variantbench.workloads import SyntheticLibrary
+
+    library = SyntheticLibrary(n=20, seed=0, tokens=(16, 32))
+
+    def run(share: float, seed: int = 0) -> list[QueryRecord]:
+        settings = LoadSettings(scenario="offline", min_queries=400, max_queries=400, warmup=0,
+                                accuracy_share=share, sample_seed=seed)  # fmt: skip
+        return run_scenario(NullSystem(), library, settings).records
+
+    records = run(0.25)
+    kept = [r for r in records if r.scored]
+    assert 70 <= len(kept) <= 130 and all(r.output == "x" for r in kept)
+    assert all(r.output == "" for r in records if not r.scored)
+    assert [r.scored for r in run(0.25)] == [r.scored for r in records]  # seeded
+    assert [r.scored for r in run(0.25, seed=1)] != [r.scored for r in records]
+    report = summarize_run("null", records, Resources(), scenario="offline")
+    assert report.quality.scored == len(kept)
+    assert all(r.scored for r in run(1.0))

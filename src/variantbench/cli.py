@@ -197,7 +197,7 @@ def run(
     if not plan.accuracy_only:
         stdout.print(comparison_table(report))
     stdout.print(quality_table(report))
-    stdout.print(task_table(report))
+    stdout.print(task_table(report, timed=not plan.accuracy_only))
     console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
     for r in report.runs:
         if r.peak is not None:

@@ -134,15 +134,18 @@ def quality_table(report: Report) -> Table:
 TASK_SCORE = {"qa": ("F1", "f1"), "classification": ("accuracy", "accuracy")}
 
 
-def task_table(report: Report) -> Table:
-    """Per task type: latency, decode rate and the task's own quality score, per variant."""
+def task_table(report: Report, timed: bool = True) -> Table:
+    """Per task type: latency, decode rate and the task's own quality score, per variant.
+
+    An untimed pass (``--accuracy-only``) shows the quality columns only.
+    """
     table = Table(
         title="per task",
         caption="score: QA token F1, classification accuracy, else ROUGE-L; tok/s = output tokens / "
         "the time of that task's queries.",
     )
-    for name in ("variant", "task", "queries", "input tok\np50", "p50 ms", "p99 ms", "TTFT p50\nms",
-                 "out tok/s", "score", "composite"):  # fmt: skip
+    timing = ("p50 ms", "p99 ms", "TTFT p50\nms", "out tok/s") if timed else ()
+    for name in ("variant", "task", "queries", "input tok\np50", *timing, "score", "composite"):
         table.add_column(name, justify="left" if name in ("variant", "task") else "right")
     for run in report.runs:
         if run.status != "ok":
@@ -150,15 +153,17 @@ def task_table(report: Report) -> Table:
         for task, t in run.per_task.items():
             label, key = TASK_SCORE.get(task, ("ROUGE-L", "rougeL"))
             score = getattr(t.quality, key)
+            speed = (
+                [_num(t.latency_ms.p50, "{:.0f}"), _num(t.latency_ms.p99, "{:.0f}"),
+                 _num(t.ttft_ms.p50, "{:.0f}"), _num(t.output_tokens_per_s)]
+                if timed else []
+            )  # fmt: skip
             table.add_row(
                 run.variant,
                 task,
                 str(t.queries),
                 _num(t.input_tokens.p50, "{:.0f}"),
-                _num(t.latency_ms.p50, "{:.0f}"),
-                _num(t.latency_ms.p99, "{:.0f}"),
-                _num(t.ttft_ms.p50, "{:.0f}"),
-                _num(t.output_tokens_per_s),
+                *speed,
                 "-" if score is None else f"{score:.3f} {label}",
                 _num(t.quality.composite, "{:.3f}"),
             )
