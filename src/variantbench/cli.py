@@ -259,11 +259,73 @@ def selftest(
 
 @app.command("variants")
 def list_variants() -> None:
-    """List the variant kinds that recipes can build."""
+    """List the variant kinds that recipes can build, and the variants already built."""
     from variantbench.variants import known_kinds
+    from variantbench.variants.build import list_built
 
     for kind, summary in known_kinds().items():
         typer.echo(f"{kind:12s} {summary}")
+    built = list_built()
+    typer.echo(f"\nbuilt ({len(built)}):" if built else "\nbuilt: none yet (variantbench build RECIPE)")
+    for m in built:
+        typer.echo(
+            f"  {m['name']:40s} {m['parameters'] / 1e6:7.1f}M params {m['bytes_on_disk'] / 1e6:7.1f} MB "
+            f"built in {m['build_s']:.0f} s  {m['path']}"
+        )
+
+
+@app.command()
+def build(
+    recipes: Annotated[
+        list[str], typer.Argument(help="variant chains, e.g. prune-heads:0.3+drop-layers:15+distill")
+    ],
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face folder or .gguf file (default: bundled)")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of the calibration and distillation text")] = 0,
+) -> None:
+    """Build variants into the cache without benchmarking them."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from variantbench.models import parse_model, prepare_model
+    from variantbench.variants import parse_variant
+    from variantbench.variants.base import split_chain
+    from variantbench.variants.build import manifest_of, materialize
+
+    console = Console(stderr=True)
+    try:
+        chains = [(name, split_chain(parse_variant(name))) for name in recipes]
+        base = prepare_model(parse_model(model), status=lambda m: console.print(f"[dim]{m}[/dim]"))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+            for name, (build_part, load_part) in chains:
+                if not build_part:
+                    console.print(f"{name}: applied when loaded (nothing to build)")
+                    continue
+                task = progress.add_task(f"{name}: calibrating", total=None)
+
+                def tick(phase: str, done: int, total: int, task: int = task, name: str = name) -> None:
+                    progress.update(task, description=f"{name}: {phase}", completed=done, total=total)
+
+                path = materialize(base, build_part, seed=seed, say=lambda m: console.print(f"[dim]{m}[/dim]"),
+                                   progress=tick)  # fmt: skip
+                m = manifest_of(path)
+                progress.update(task, description=f"{name}: built", completed=1, total=1)
+                extra = f" (+ {'+'.join(r.spec() for r in load_part)} at load)" if load_part else ""
+                console.print(
+                    f"{m['name']}{extra}: {m['parameters'] / 1e6:.1f}M params (from {m['parameters_before'] / 1e6:.1f}M), "
+                    f"{m['bytes_on_disk'] / 1e6:.1f} MB, built in {m['build_s']:.0f} s -> {path}",
+                    highlight=False, soft_wrap=True,
+                )  # fmt: skip
+                if "distill" in m["notes"]:
+                    d = m["notes"]["distill"]
+                    console.print(
+                        f"  distillation: held-out KL to the teacher {d['held_out_kl_before']:.3f} -> "
+                        f"{d['held_out_kl_after']:.3f} nats; loss {d['first_loss']:.3f} -> {d['last_loss']:.3f}",
+                        highlight=False,
+                    )  # fmt: skip
+    except UserError as exc:
+        _fail(str(exc))
 
 
 def main() -> None:

@@ -75,6 +75,8 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
 
     library = job.workload
     backend = job.backend()
+    if hasattr(backend, "status"):
+        backend.status = lambda msg: emit(("status", msg))
     emit(("status", f"loading {job.variant}"))
     try:
         load = backend.load()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 import time
 from typing import Any
 
@@ -22,11 +23,14 @@ class TorchBackend:
         variant: str = "fp32",
         device: str = "cpu",
         threads: int | None = None,
+        build_seed: int = 0,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = variant
         self.device = device
         self.threads = threads
+        self.build_seed = build_seed
+        self.status: Any = None  # optional callable(str): what a long build is doing
         self._decoder: Any = None
         self._tokenizer: Any = None
         self._stop_ids: tuple[int, ...] = ()
@@ -48,6 +52,8 @@ class TorchBackend:
 
         from variantbench.backends.engine import LlamaDecoder
         from variantbench.variants import apply_recipes, parse_variant, weight_format
+        from variantbench.variants.base import split_chain
+        from variantbench.variants.build import manifest_of, materialize
         from variantbench.variants.measure import param_bytes
 
         hf_logging.disable_progress_bar()
@@ -56,11 +62,17 @@ class TorchBackend:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
         recipes = parse_variant(self.name)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        build, load_time = split_chain(recipes)
+        source = self.model_dir
+        built: dict[str, Any] | None = None
+        if build:  # structural recipes: a cached folder (built now if it is not there yet)
+            source = str(materialize(self.model_dir, build, seed=self.build_seed, say=self.status))
+            built = manifest_of(Path(source))
+        self._tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         if self.device != "cpu":
             model = model.to(self.device)
-        model = apply_recipes(model, recipes)
+        model = apply_recipes(model, load_time)
         nbytes = param_bytes(model)
         config = model.config
         if not (
@@ -78,7 +90,10 @@ class TorchBackend:
             "backend": "torch",
             "variant": self.name,
             "recipes": [r.model_dump() for r in recipes],
-            "weight_format": weight_format(recipes),
+            "weight_format": weight_format(load_time),
+            "built": {k: built[k] for k in ("key", "parameters", "bytes_on_disk", "build_s", "notes")}
+            if built
+            else None,
             "dtype": str(self._decoder.dtype).replace("torch.", ""),
             "device": self.device,
             "threads": torch.get_num_threads(),

@@ -25,6 +25,20 @@ class Recipe(BaseModel):
     kind: str
     # What the transform leaves the weights as, for the report ("float32", "int8", ...).
     weight_format: ClassVar[str] = "float32"
+    # "load": applied to the model each time it is loaded (cheap: dtype, dynamic int8).
+    # "build": changes the architecture or trains; run once, saved as a Hugging Face folder in the
+    # variant cache (variants/build.py); its transform also receives a BuildContext.
+    stage: ClassVar[str] = "load"
+
+    def spec(self) -> str:
+        """The recipe written back as ``kind[:args]`` (canonical: what the cache key hashes)."""
+        fields = type(self).model_fields
+        args = ",".join(
+            f"{k}={v}"
+            for k, v in self.model_dump().items()
+            if k != "kind" and (fields[k].is_required() or v != fields[k].default)
+        )
+        return f"{self.kind}:{args}" if args else self.kind
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> Recipe:
@@ -82,10 +96,24 @@ def parse_variant(name: str) -> tuple[Recipe, ...]:
     return tuple(recipes)
 
 
-def apply_recipes(model: nn.Module, recipes: tuple[Recipe, ...]) -> nn.Module:
+def apply_recipes(model: nn.Module, recipes: tuple[Recipe, ...], ctx: object = None) -> nn.Module:
     for recipe in recipes:
-        model = _REGISTRY[recipe.kind].transform(model, recipe)
+        transform = _REGISTRY[recipe.kind].transform
+        model = transform(model, recipe, ctx) if recipe.stage == "build" else transform(model, recipe)  # type: ignore[call-arg]
     return model
+
+
+def split_chain(recipes: tuple[Recipe, ...]) -> tuple[tuple[Recipe, ...], tuple[Recipe, ...]]:
+    """(build recipes, load recipes); every build step must come before the first load step."""
+    first_load = next((i for i, r in enumerate(recipes) if r.stage == "load"), len(recipes))
+    build, load = recipes[:first_load], recipes[first_load:]
+    late = [r.kind for r in load if r.stage == "build"]
+    if late:
+        raise UserError(
+            f"{', '.join(late)} changes the model's structure and must come before "
+            f"{', '.join(r.kind for r in load if r.stage == 'load')} in the chain"
+        )
+    return build, load
 
 
 def weight_format(recipes: tuple[Recipe, ...]) -> str:
@@ -95,4 +123,4 @@ def weight_format(recipes: tuple[Recipe, ...]) -> str:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
-    from variantbench.variants import int8, precision  # noqa: F401
+    from variantbench.variants import distill, int8, precision, structure  # noqa: F401

@@ -1,0 +1,194 @@
+"""Building variants whose recipes change the model (prune, drop layers, distill), once, into a cache.
+
+A built variant is a Hugging Face folder under ``<cache>/variants/<key>/``, where the key hashes the
+base model (its config and weight files), the canonical chain of build recipes, the calibration
+seed and the versions of variantbench, torch and transformers. A ``manifest.json`` beside the
+weights records the chain, parameter count, bytes on disk, build time, calibration seed and what
+each recipe measured (kept heads, block influences, the distillation loss). A build writes into a
+``.partial`` folder and renames it into place when complete, so an interrupted build leaves no
+half-written entry. Load-stage recipes (dtype, int8) are applied when the variant is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+import hashlib
+import json
+import os
+from pathlib import Path
+import shutil
+import time
+from typing import Any
+
+from variantbench.paths import cache_root
+from variantbench.variants.base import Recipe
+
+CALIBRATION_PROMPTS = 8
+CALIBRATION_TOKENS = 256
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class BuildContext:
+    """What build recipes may use: calibration prompts, training text, the teacher, a notebook."""
+
+    calibration: list[list[int]]
+    distill_ids: list[int]
+    held_out_ids: list[int]
+    teacher_dir: str
+    seed: int
+    artifact_dir: str
+    progress: Progress = lambda *_: None  # noqa: E731 - a default no-op
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from variantbench import __version__
+
+    return {"variantbench": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def base_identity(base_dir: str | Path) -> str:
+    """The base model's config plus the names and sizes of its weight files."""
+    base = Path(base_dir)
+    parts = [(base / "config.json").read_text(encoding="utf-8")]
+    for f in sorted(base.glob("*.safetensors")) + sorted(base.glob("*.bin")):
+        parts.append(f"{f.name}:{f.stat().st_size}")
+    return "\n".join(parts)
+
+
+def variant_key(base_dir: str | Path, chain: tuple[Recipe, ...], seed: int) -> str:
+    payload = json.dumps(
+        {"base": base_identity(base_dir), "chain": [r.spec() for r in chain], "seed": seed, **_versions()},
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def variants_root(cache: Path | None = None) -> Path:
+    return (cache or cache_root()) / "variants"
+
+
+def built_path(
+    base_dir: str | Path, chain: tuple[Recipe, ...], seed: int = 0, cache: Path | None = None
+) -> Path:
+    return variants_root(cache) / variant_key(base_dir, chain, seed)
+
+
+def list_built(cache: Path | None = None) -> list[dict[str, Any]]:
+    root = variants_root(cache)
+    out = []
+    for manifest in sorted(root.glob("*/manifest.json")) if root.exists() else []:
+        try:
+            out.append({**json.loads(manifest.read_text()), "path": str(manifest.parent)})
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _context(
+    base_dir: str, tokenizer: Any, seed: int, artifact_dir: Path, progress: Progress
+) -> BuildContext:
+    from variantbench.metrics.fidelity import default_text
+    from variantbench.workloads import build_synthetic
+    from variantbench.workloads.lengths import LengthDistribution
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    fixed = LengthDistribution("fixed", CALIBRATION_TOKENS, CALIBRATION_TOKENS)
+    calibration = build_synthetic(CALIBRATION_PROMPTS, seed=seed + 1000, lengths=fixed, counter=count)
+    training = build_synthetic(
+        64, seed=seed + 2000, lengths=LengthDistribution("uniform", 128, 512), counter=count
+    )
+    distill_ids: list[int] = []
+    for s in training.samples:
+        distill_ids += ids(s.prompt + "\n" + s.reference + "\n\n")
+    return BuildContext(
+        calibration=[ids(s.prompt) for s in calibration.samples],
+        distill_ids=distill_ids,
+        held_out_ids=ids(default_text()[:20_000]),
+        teacher_dir=base_dir,
+        seed=seed,
+        artifact_dir=str(artifact_dir),
+        progress=progress,
+    )
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def materialize(
+    base_dir: str | Path,
+    chain: tuple[Recipe, ...],
+    seed: int = 0,
+    say: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+    cache: Path | None = None,
+) -> Path:
+    """The built folder of ``chain`` (build-stage recipes) on ``base_dir``: from the cache, or built now."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from variantbench.variants.base import apply_recipes
+
+    hf_logging.disable_progress_bar()
+
+    final = built_path(base_dir, chain, seed, cache)
+    if (final / "manifest.json").exists():
+        return final
+    say = say or (lambda _msg: None)
+    spec = "+".join(r.spec() for r in chain)
+    say(f"building {spec} (once; cached in {final.parent})")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    started = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+        params_before = sum(p.numel() for p in model.parameters())
+        ctx = _context(str(base_dir), tokenizer, seed, partial, progress or (lambda *_: None))
+        model = apply_recipes(model, chain, ctx)
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        manifest = {
+            "chain": [r.spec() for r in chain],
+            "name": spec,
+            "base": str(base_dir),
+            "key": final.name,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters_before": params_before,
+            "bytes_on_disk": _folder_bytes(partial),
+            "build_s": round(time.perf_counter() - started, 2),
+            "calibration": {
+                "seed": seed + 1000,
+                "prompts": CALIBRATION_PROMPTS,
+                "tokens": CALIBRATION_TOKENS,
+            },
+            "versions": _versions(),
+            "notes": ctx.notes,
+        }
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        try:
+            partial.rename(final)
+        except OSError:  # another process finished the same build first: keep theirs
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def manifest_of(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "manifest.json").read_text())
