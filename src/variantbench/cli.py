@@ -128,8 +128,10 @@ def run(
     console = Console(stderr=True)
     try:
         names = tuple(v.strip() for v in variants.split(",") if v.strip())
+        from variantbench.variants.base import split_chain
+
         for name in names:
-            parse_variant(name)
+            split_chain(parse_variant(name))
         plan = make_plan(
             model=model,
             variants=names,
