@@ -137,3 +137,27 @@ def test_impossible_parameters_fail_before_any_work(
     with pytest.raises(UserError, match=needle):
         materialize(tiny_model_dir, parse_variant(spec), cache=tmp_path)
     assert not list((tmp_path / "variants").iterdir())  # no half-written entry
+
+
+def test_onnx_fp32_export_matches_our_engine(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("onnxruntime_genai", reason="the onnx extra (onnxruntime-genai) is not installed")
+    from variantbench.backends.base import GenerationRequest
+    from variantbench.backends.ort_genai import OrtGenAIBackend
+    from variantbench.backends.torch_backend import TorchBackend
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(tmp_path))
+    requests = [GenerationRequest(f"r{i}", prompt=p, max_new_tokens=6) for i, p in
+                enumerate(["The mayor of the town", "Read the report and answer"])]  # fmt: skip
+    ours = TorchBackend(str(tiny_model_dir), "fp32")
+    ours.load()
+    onnx = OrtGenAIBackend(str(tiny_model_dir), "onnx-fp32")
+    info = onnx.load()
+    assert info.details["backend"] == "onnxruntime-genai" and info.param_bytes > 0
+    assert list(tmp_path.glob("variants/onnx-*/manifest.json"))  # exported once, into the cache
+    want, got = ours.generate(requests), onnx.generate(requests)
+    for a, b in zip(want, got, strict=True):
+        assert b.status == "ok", b.error
+        assert b.output_tokens == a.output_tokens and b.text == a.text  # same greedy tokens, other engine
+        assert len(b.token_ns) == b.output_tokens and b.first_token_ns <= b.end_ns
+    with pytest.raises(UserError, match="ends the chain"):
+        split_chain(parse_variant("onnx-int4+int8"))

@@ -63,9 +63,23 @@ class VariantJob:
 
             return OpenAIBackend(self.endpoint, model=self.endpoint_model, api=self.api,
                                  timeout_s=self.request_timeout)  # fmt: skip
-        from variantbench.backends.torch_backend import TorchBackend
+        return make_backend(self.model_dir, self.variant, device=self.device, threads=self.threads)
 
-        return TorchBackend(self.model_dir, self.variant, device=self.device, threads=self.threads)
+
+def make_backend(model_dir: str, variant: str, device: str = "cpu", threads: int | None = None) -> Any:
+    """The in-process backend a variant runs on: ONNX Runtime GenAI for onnx-*, else our PyTorch engine."""
+    from variantbench.variants import parse_variant
+    from variantbench.variants.base import engine_of
+
+    if engine_of(parse_variant(variant)) is not None:
+        if device != "cpu":
+            raise UserError(f"{variant}: the ONNX variants are built for the CPU here")
+        from variantbench.backends.ort_genai import OrtGenAIBackend
+
+        return OrtGenAIBackend(model_dir, variant, threads=threads)
+    from variantbench.backends.torch_backend import TorchBackend
+
+    return TorchBackend(model_dir, variant, device=device, threads=threads)
 
 
 def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:

@@ -53,3 +53,22 @@ class Backend(Protocol):
     def info(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+def encode_request(tok: Any, request: GenerationRequest) -> list[int]:
+    """Token ids of a request with a Hugging Face tokenizer, through its chat template if it has one.
+
+    Every in-process engine encodes the same way, so the same sample is the same token ids for all.
+    """
+    messages = list(request.messages) if request.messages else None
+    if messages is None:
+        if request.prompt is None:
+            raise ValueError("request has neither prompt nor messages")
+        if getattr(tok, "chat_template", None):
+            messages = [{"role": "user", "content": request.prompt}]
+    if messages is not None:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("chat messages given but the tokenizer has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    return list(tok(request.prompt)["input_ids"])

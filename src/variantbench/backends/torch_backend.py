@@ -7,7 +7,7 @@ from pathlib import Path
 import time
 from typing import Any
 
-from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
+from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo, encode_request
 from variantbench.errors import UserError
 
 
@@ -128,19 +128,7 @@ class TorchBackend:
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids of the request, through the chat template when the tokenizer has one."""
-        tok = self._tokenizer
-        messages = list(request.messages) if request.messages else None
-        if messages is None:
-            if request.prompt is None:
-                raise ValueError("request has neither prompt nor messages")
-            if getattr(tok, "chat_template", None):
-                messages = [{"role": "user", "content": request.prompt}]
-        if messages is not None:
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("chat messages given but the tokenizer has no chat template")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
-        return list(tok(request.prompt)["input_ids"])
+        return encode_request(self._tokenizer, request)
 
     def token_log_probs(self, ids: list[int]) -> Any:
         """Next-token log-probabilities at every position (logit fidelity): float32 [len(ids), vocab]."""

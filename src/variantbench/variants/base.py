@@ -103,8 +103,23 @@ def apply_recipes(model: nn.Module, recipes: tuple[Recipe, ...], ctx: object = N
     return model
 
 
+def engine_of(recipes: tuple[Recipe, ...]) -> Recipe | None:
+    """The engine recipe that ends the chain (onnx-int4, ...), or None for our PyTorch engine."""
+    engines = [i for i, r in enumerate(recipes) if r.stage == "engine"]
+    if not engines:
+        return None
+    if engines != [len(recipes) - 1] or any(r.stage == "load" for r in recipes):
+        raise UserError(
+            f"{recipes[engines[0]].kind} exports the model to another engine: it ends the chain, after "
+            "structural steps only (e.g. prune-heads:0.3+onnx-int4)"
+        )
+    return recipes[-1]
+
+
 def split_chain(recipes: tuple[Recipe, ...]) -> tuple[tuple[Recipe, ...], tuple[Recipe, ...]]:
     """(build recipes, load recipes); every build step must come before the first load step."""
+    if engine_of(recipes) is not None:
+        return recipes[:-1], ()
     first_load = next((i for i, r in enumerate(recipes) if r.stage == "load"), len(recipes))
     build, load = recipes[:first_load], recipes[first_load:]
     late = [r.kind for r in load if r.stage == "build"]
@@ -123,4 +138,4 @@ def weight_format(recipes: tuple[Recipe, ...]) -> str:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
-    from variantbench.variants import distill, int8, precision, structure  # noqa: F401
+    from variantbench.variants import distill, int8, onnx, precision, structure  # noqa: F401
