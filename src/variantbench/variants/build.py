@@ -63,7 +63,13 @@ def base_identity(base_dir: str | Path) -> str:
 
 def variant_key(base_dir: str | Path, chain: tuple[Recipe, ...], seed: int) -> str:
     payload = json.dumps(
-        {"base": base_identity(base_dir), "chain": [r.spec() for r in chain], "seed": seed, **_versions()},
+        # every field, defaults included: a changed default must not return an old artifact
+        {
+            "base": base_identity(base_dir),
+            "chain": [r.model_dump() for r in chain],
+            "seed": seed,
+            **_versions(),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
