@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +164,8 @@ def test_onnx_fp32_export_matches_our_engine(tiny_model_dir: Path, tmp_path: Pat
         assert len(b.token_ns) == b.output_tokens and b.first_token_ns <= b.end_ns
     with pytest.raises(UserError, match="ends the chain"):
         split_chain(parse_variant("onnx-int4+int8"))
+    # the export is listed among the built variants
+    listing = subprocess.run([sys.executable, "-m", "variantbench", "variants"], capture_output=True, text=True,
+                             check=False, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    assert listing.returncode == 0, listing.stderr[-1000:]
+    assert "built (1):" in listing.stdout and "onnx-fp32" in listing.stdout

@@ -117,11 +117,12 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     assert {json.loads(line)["variant"] for line in lines} == {"fp32", "int8", "bf16"}
 
 
-def test_variants_command_lists_kinds() -> None:
-    proc = _cli("variants")
-    assert proc.returncode == 0
-    for kind in ("fp32", "bf16", "fp16", "int8"):
+def test_variants_command_lists_kinds(tmp_path: Path) -> None:
+    proc = _cli("variants", env={"VARIANTBENCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    for kind in ("fp32", "bf16", "fp16", "int8", "prune-heads", "drop-layers", "distill", "onnx-int4"):
         assert kind in proc.stdout
+    assert "built: none yet" in proc.stdout
 
 
 def test_garbage_gguf_file(tmp_path: Path) -> None:

@@ -270,9 +270,10 @@ def list_variants() -> None:
     built = list_built()
     typer.echo(f"\nbuilt ({len(built)}):" if built else "\nbuilt: none yet (variantbench build RECIPE)")
     for m in built:
+        params = f"{m['parameters'] / 1e6:7.1f}M params" if m.get("parameters") else f"{'(ONNX export)':>14s}"
         typer.echo(
-            f"  {m['name']:40s} {m['parameters'] / 1e6:7.1f}M params {m['bytes_on_disk'] / 1e6:7.1f} MB "
-            f"built in {m['build_s']:.0f} s  {m['path']}"
+            f"  {m.get('name', '?'):40s} {params} {m.get('bytes_on_disk', 0) / 1e6:7.1f} MB "
+            f"built in {m.get('build_s', 0):.0f} s  {m['path']}"
         )
 
 
