@@ -7,7 +7,7 @@ from rouge_score import rouge_scorer
 import sacrebleu
 
 from variantbench.metrics.latency import distribution, percentile
-from variantbench.metrics.quality import quality_summary
+from variantbench.metrics.quality import Scored, summarize_quality
 
 
 def test_nearest_rank_percentiles() -> None:
@@ -29,10 +29,10 @@ def test_nearest_rank_percentiles() -> None:
 def test_quality_matches_sacrebleu_and_rouge_score() -> None:
     outputs = ["the cat sat on the mat", "Paris is the capital of France", "copper"]
     refs = ["the cat is on the mat", "The capital of France is Paris.", "copper and tin"]
-    got = quality_summary(outputs, refs)
+    got = summarize_quality([Scored("custom", o, r) for o, r in zip(outputs, refs, strict=True)])
     assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(outputs, [refs]).score)
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     for name in ("rouge1", "rouge2", "rougeL"):
         want = sum(scorer.score(r, o)[name].fmeasure for o, r in zip(outputs, refs, strict=True)) / 3
         assert got[name] == pytest.approx(want)
-    assert quality_summary(["x"], ["x"])["rougeL"] == 1.0
+    assert summarize_quality([Scored("custom", "x", "x")])["rougeL"] == 1.0

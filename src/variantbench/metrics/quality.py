@@ -48,9 +48,6 @@ def rouge(output: str, reference: str) -> dict[str, float]:
     return {name: float(scores[name].fmeasure) for name in ROUGE_TYPES}
 
 
-sample_scores = rouge  # the name of the first issue's API
-
-
 def corpus_bleu(outputs: Sequence[str], references: Sequence[str]) -> float:
     import sacrebleu
 
@@ -125,12 +122,6 @@ def summarize_quality(items: Sequence[Scored]) -> dict[str, float | int | None]:
         out["accuracy"] = _mean([float(label_of(i.output) == i.reference.lower()) for i in cls])
     out["composite"] = composite(out["bleu"], out["rougeL"])  # type: ignore[arg-type]
     return out
-
-
-def quality_summary(outputs: Sequence[str], references: Sequence[str]) -> dict[str, float | None]:
-    """BLEU and mean ROUGE over paired outputs and references (task-free form)."""
-    result = summarize_quality([Scored("custom", o, r) for o, r in zip(outputs, references, strict=True)])
-    return {k: result[k] for k in ("bleu", *ROUGE_TYPES)}  # type: ignore[misc]
 
 
 def agreement(outputs: Sequence[str], standard_outputs: Sequence[str]) -> dict[str, float | None]:
