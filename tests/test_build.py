@@ -169,3 +169,24 @@ def test_onnx_fp32_export_matches_our_engine(tiny_model_dir: Path, tmp_path: Pat
                              check=False, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
     assert listing.returncode == 0, listing.stderr[-1000:]
     assert "built (1):" in listing.stdout and "onnx-fp32" in listing.stdout
+
+
+def test_weight_only_int8_and_a_clear_int4_answer(tiny_model_dir: Path) -> None:
+    pytest.importorskip("torchao", reason="the torchao extra is not installed")
+    from variantbench.backends.base import GenerationRequest
+    from variantbench.backends.torch_backend import TorchBackend
+
+    request = [GenerationRequest("r", prompt="The mayor of the town", max_new_tokens=4)]
+    fp32, wo = TorchBackend(str(tiny_model_dir), "fp32"), TorchBackend(str(tiny_model_dir), "int8-wo")
+    fp32_info, wo_info = fp32.load(), wo.load()
+    assert wo_info.details["weight_format"] == "int8 weight-only (torchao)"
+    assert wo_info.param_bytes < 0.5 * fp32_info.param_bytes  # int8 payload + scales (untied tiny model)
+    want, got = fp32.generate(request)[0], wo.generate(request)[0]
+    assert got.status == "ok" and got.text.split()[:1] == want.text.split()[:1]
+    int4 = TorchBackend(str(tiny_model_dir), "int4-wo")
+    try:
+        int4.load()
+    except UserError as exc:  # no kernel on this machine: the reason is named, on one line
+        assert "int4-wo" in str(exc) and "kernel" in str(exc) and "\n" not in str(exc)
+    else:
+        assert int4.generate(request)[0].status == "ok"

@@ -99,7 +99,9 @@ class _Modules:
 
 
 def _projection(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-    if all(type(m) is nn.Linear for m in modules):
+    # plain Linear layers with plain tensors get our layout; anything else (dynamic int8 modules,
+    # torchao's quantized tensor subclasses) runs through its own module and kernels
+    if all(type(m) is nn.Linear and type(m.weight.detach()) is torch.Tensor for m in modules):
         return _DenseT(modules)  # type: ignore[arg-type]
     return _Modules(modules)
 

@@ -138,4 +138,4 @@ def weight_format(recipes: tuple[Recipe, ...]) -> str:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
-    from variantbench.variants import distill, int8, onnx, precision, structure  # noqa: F401
+    from variantbench.variants import distill, int8, onnx, precision, structure, weight_only  # noqa: F401

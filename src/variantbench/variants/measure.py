@@ -7,6 +7,11 @@ from torch import nn
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t.detach()) is not torch.Tensor:
+        # a tensor subclass (torchao's quantized weights): the bytes of the tensors it holds
+        names, _ctx = flatten()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
     if t.is_quantized:
         # int8 payload plus its scale/zero-point (per tensor or per channel)
         extra = 0
@@ -29,6 +34,8 @@ def param_bytes(model: nn.Module) -> int:
             return
         # Packed quantized weights are unpacked into a fresh tensor on each call: key them by their
         # (live) module. Plain tensors are keyed by memory, so tied weights count once.
+        if owner is None and type(t.detach()) is not torch.Tensor:
+            owner = ("subclass", id(t))  # a wrapper has no storage of its own
         key = owner if owner is not None else (t.untyped_storage().data_ptr(), t.storage_offset())
         if key in seen:
             return
