@@ -162,6 +162,15 @@ def test_onnx_fp32_export_matches_our_engine(tiny_model_dir: Path, tmp_path: Pat
         assert b.status == "ok", b.error
         assert b.output_tokens == a.output_tokens and b.text == a.text  # same greedy tokens, other engine
         assert len(b.token_ns) == b.output_tokens and b.first_token_ns <= b.end_ns
+    # logit fidelity works the same way on both engines: the same distributions, within float error
+    from variantbench.metrics.fidelity import FidelitySpec, measure
+
+    spec = FidelitySpec(ctx=64, chunks=2, cache_dir=str(tmp_path / "fid"), model_key=str(tiny_model_dir))
+    standard = measure(ours, spec, is_standard=True)
+    other = measure(onnx, spec, is_standard=False)
+    assert other["tokens_scored"] == standard["tokens_scored"] == 62
+    assert other["perplexity"] == pytest.approx(standard["perplexity"], rel=1e-3)
+    assert other["kl_mean"] < 1e-3 and other["top1_agreement"] > 0.95
     with pytest.raises(UserError, match="ends the chain"):
         split_chain(parse_variant("onnx-int4+int8"))
     # the export is listed among the built variants

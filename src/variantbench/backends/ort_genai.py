@@ -89,6 +89,29 @@ class OrtGenAIBackend:
         self._tokenizer = None
         gc.collect()
 
+    def token_log_probs(self, ids: list[int]) -> Any:
+        """Next-token log-probabilities at every position (logit fidelity): float32 [len(ids), vocab].
+
+        One generator takes the whole sequence as its prompt; its ``logits`` output then holds every
+        position, as the PyTorch engine's ``log_probs`` does.
+        """
+        import numpy as np
+        import onnxruntime_genai as og
+        import torch
+
+        if self._model is None:
+            raise RuntimeError("token_log_probs() before load()")
+        params = og.GeneratorParams(self._model)
+        params.set_search_options(max_length=len(ids) + 1)
+        gen = og.Generator(self._model, params)
+        gen.append_tokens(np.asarray(ids, dtype=np.int32))
+        logits = torch.from_numpy(np.asarray(gen.get_output("logits"), dtype=np.float32))[0]
+        if logits.shape[0] != len(ids):
+            raise RuntimeError(
+                f"ONNX Runtime GenAI returned logits for {logits.shape[0]} of {len(ids)} positions"
+            )
+        return torch.log_softmax(logits, dim=-1)
+
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
