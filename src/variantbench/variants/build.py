@@ -61,18 +61,50 @@ def base_identity(base_dir: str | Path) -> str:
     return "\n".join(parts)
 
 
+def cache_key(payload: dict[str, Any]) -> str:
+    """A cache entry's key: the payload (base identity, recipe fields...) plus the library versions."""
+    text = json.dumps({**payload, **_versions()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def variant_key(base_dir: str | Path, chain: tuple[Recipe, ...], seed: int) -> str:
-    payload = json.dumps(
-        # every field, defaults included: a changed default must not return an old artifact
-        {
-            "base": base_identity(base_dir),
-            "chain": [r.model_dump() for r in chain],
-            "seed": seed,
-            **_versions(),
-        },
-        sort_keys=True,
+    # every field, defaults included: a changed default must not return an old artifact
+    return cache_key(
+        {"base": base_identity(base_dir), "chain": [r.model_dump() for r in chain], "seed": seed}
     )
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def cached_build(final: Path, make: Callable[[Path], dict[str, Any]]) -> Path:
+    """The cache entry ``final``: returned if complete, else made by ``make(partial_folder)``.
+
+    ``make`` fills the folder and returns its manifest; the key, bytes on disk, build time and
+    versions are added here. The folder is renamed into place only when complete, so an interrupted
+    build leaves no half-written entry; if another process finished first, its entry is kept.
+    """
+    if (final / "manifest.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    started = time.perf_counter()
+    try:
+        manifest = make(partial)
+        manifest.update(
+            key=final.name,
+            bytes_on_disk=_folder_bytes(partial),
+            build_s=round(time.perf_counter() - started, 2),
+            versions=_versions(),
+        )
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        try:
+            partial.rename(final)
+        except OSError:  # another process finished the same build first: keep theirs
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
 
 
 def variants_root(cache: Path | None = None) -> Path:
@@ -152,48 +184,32 @@ def materialize(
     final = built_path(base_dir, chain, seed, cache)
     if (final / "manifest.json").exists():
         return final
-    say = say or (lambda _msg: None)
     spec = "+".join(r.spec() for r in chain)
-    say(f"building {spec} (once; cached in {final.parent})")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    started = time.perf_counter()
-    try:
+    (say or (lambda _msg: None))(f"building {spec} (once; cached in {final.parent})")
+
+    def make(folder: Path) -> dict[str, Any]:
         tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
         model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
         params_before = sum(p.numel() for p in model.parameters())
-        ctx = _context(str(base_dir), tokenizer, seed, partial, progress or (lambda *_: None))
+        ctx = _context(str(base_dir), tokenizer, seed, folder, progress or (lambda *_: None))
         model = apply_recipes(model, chain, ctx)
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        manifest = {
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return {
             "chain": [r.spec() for r in chain],
             "name": spec,
             "base": str(base_dir),
-            "key": final.name,
             "parameters": sum(p.numel() for p in model.parameters()),
             "parameters_before": params_before,
-            "bytes_on_disk": _folder_bytes(partial),
-            "build_s": round(time.perf_counter() - started, 2),
             "calibration": {
                 "seed": seed + 1000,
                 "prompts": CALIBRATION_PROMPTS,
                 "tokens": CALIBRATION_TOKENS,
             },
-            "versions": _versions(),
             "notes": ctx.notes,
         }
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        try:
-            partial.rename(final)
-        except OSError:  # another process finished the same build first: keep theirs
-            shutil.rmtree(partial, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return final
+
+    return cached_build(final, make)
 
 
 def manifest_of(path: Path) -> dict[str, Any]:

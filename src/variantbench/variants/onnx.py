@@ -10,13 +10,10 @@ pruned model.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-import shutil
 import subprocess
 import sys
-import time
 from typing import Any, ClassVar
 
 from variantbench.errors import UserError
@@ -70,49 +67,25 @@ def require_genai() -> None:
 def export(source: str | Path, recipe: OnnxExport, root: Path, say: Any = None) -> Path:
     """The ONNX folder of ``source`` at the recipe's precision: cached, built now if missing."""
     require_genai()
-    import hashlib
+    from variantbench.variants.build import base_identity, cache_key, cached_build
 
-    from variantbench.variants.build import _versions, base_identity
-
-    key = hashlib.sha256(
-        json.dumps(
-            {"base": base_identity(source), "recipe": recipe.spec(), **_versions()}, sort_keys=True
-        ).encode()
-    ).hexdigest()[:24]
-    final = root / f"onnx-{key}"
-    if (final / "manifest.json").exists():
-        return final
-    if say:
+    final = root / f"onnx-{cache_key({'base': base_identity(source), 'recipe': recipe.model_dump()})}"
+    if not (final / "manifest.json").exists() and say:
         say(f"exporting {recipe.kind} with the onnxruntime-genai builder (once; cached in {root})")
-    root.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    started = time.perf_counter()
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(partial),
-           "-p", recipe.precision, "-e", "cpu"]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, check=False, env={**os.environ, "TQDM_DISABLE": "1"}
-        )
-        if proc.returncode != 0 or not (partial / "genai_config.json").exists():
+
+    def make(folder: Path) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(folder),
+               "-p", recipe.precision, "-e", "cpu"]  # fmt: skip
+        env = {**os.environ, "TQDM_DISABLE": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if proc.returncode != 0 or not (folder / "genai_config.json").exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise UserError(f"{recipe.kind}: the onnxruntime-genai builder failed: {tail[0]}")
-        manifest = {
+        return {
             "name": recipe.kind,
             "source": str(source),
-            "key": final.name,
             "precision": recipe.precision,
-            "bytes_on_disk": sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()),
-            "build_s": round(time.perf_counter() - started, 2),
-            "builder": " ".join(cmd[1:4]) + f" -p {recipe.precision} -e cpu",
-            "versions": _versions(),
+            "builder": f"onnxruntime_genai.models.builder -p {recipe.precision} -e cpu",
         }
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        try:
-            partial.rename(final)
-        except OSError:
-            shutil.rmtree(partial, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return final
+
+    return cached_build(final, make)
