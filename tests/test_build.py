@@ -123,6 +123,8 @@ def test_recipes_are_cached_and_distillation_lowers_kl(tiny_model_dir: Path, tmp
         ("distill:epochs=3", "distill takes"),
         ("int8+drop-layers:1", "must come before"),
         ("shrink:2", "known: "),
+        ("compile:backend=tvm", "compile"),
+        ("compile:fast", "compile takes"),
     ],
 )
 def test_bad_recipes_fail_with_one_line(spec: str, needle: str) -> None:
@@ -199,3 +201,30 @@ def test_weight_only_int8_and_a_clear_int4_answer(tiny_model_dir: Path) -> None:
         assert "int4-wo" in str(exc) and "kernel" in str(exc) and "\n" not in str(exc)
     else:
         assert int4.generate(request)[0].status == "ok"
+
+
+def test_compiled_decode_step_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+    # aot_eager: TorchDynamo capture + AOTAutograd functionalization (the in-place KV-cache writes),
+    # without Inductor's C++ code generation, which takes minutes on 2 cores (benchmarks/ use it)
+    from variantbench.backends.base import GenerationRequest
+    from variantbench.backends.torch_backend import TorchBackend
+
+    requests = [
+        GenerationRequest("a", prompt="The mayor of the town", max_new_tokens=6),
+        GenerationRequest("b", prompt="A letter from a resident who", max_new_tokens=9),
+    ]
+    eager, compiled = (
+        TorchBackend(str(tiny_model_dir), "fp32"),
+        TorchBackend(str(tiny_model_dir), "compile:backend=aot_eager"),
+    )
+    eager.load()
+    info = compiled.load().details
+    assert info["compile"] == {"backend": "aot_eager"} and info["compile_s"] > 0
+    assert compiled._decoder.compiled
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in (requests[:1], requests, requests * 2):  # batch 1, a padded batch of 2, and of 4
+        want = [r.text for r in eager.generate(batch)]
+        assert [r.text for r in compiled.generate(batch)] == want
+    assert counters["stats"]["unique_graphs"] == graphs  # loading compiled every graph a run needs

@@ -181,6 +181,8 @@ class LlamaDecoder:
                 )
             )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step = self._decode_step
+        self.compiled = False
 
     # ---- building blocks -------------------------------------------------------------------
 
@@ -218,11 +220,15 @@ class LlamaDecoder:
         start: int,
         attn_mask: torch.Tensor | None,
         is_causal: bool,
-        max_position: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """Run all blocks on ``x`` [B, S, H] at cache slots ``start:start+S``; return hidden states."""
+        """Run all blocks on ``x`` [B, S, H] at cache slots ``start:start+S``; return hidden states.
+
+        ``rope`` is ``_rope_tables(n)`` for some ``n`` past every position (made outside, so this
+        function has no side effects and ``torch.compile`` can trace it whole).
+        """
         bsz, seq, _ = x.shape
-        cos_t, sin_t = self._rope_tables(max_position + 1)
+        cos_t, sin_t = rope
         cos = cos_t[positions].unsqueeze(1)  # [B, 1, S, D]
         sin = sin_t[positions].unsqueeze(1)
         end = start + seq
@@ -268,6 +274,41 @@ class LlamaDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms_norm(hidden, self.final_norm)).float()
 
+    def _cache_views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) views of the cache storage, [B, kv_heads, positions, head_dim]."""
+        return [
+            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
+            for i, layer in enumerate(self.layers)
+        ]
+
+    def _decode_step(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        storage: torch.Tensor,
+        cur: int,
+        mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """One decode step for the batch: the previous tokens in, the next greedy tokens out."""
+        x = self._embed(next_ids.unsqueeze(1))
+        hidden = self._forward(x, positions.unsqueeze(1), self._cache_views(storage), cur, mask, False, rope)
+        return self._logits(hidden[:, -1]).argmax(-1)
+
+    def compile_decode_step(self, **options: object) -> None:
+        """Run the decode step through ``torch.compile`` (Inductor) from now on.
+
+        Weights stay static shapes (they never change); the batch size, the cache length and the
+        step position become dynamic after the first change, and each generate call marks the
+        cache length dynamic up front, so a run needs two graphs (batch 1 and batch > 1), which
+        the backend compiles while loading, before anything is timed.
+        """
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+        self._step = torch.compile(self._decode_step, dynamic=None, **options)  # type: ignore[assignment]
+        self.compiled = True
+
     # ---- public ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -281,12 +322,9 @@ class LlamaDecoder:
         storage = torch.zeros(
             len(self.layers), 2, 1, max_kv, seq, self.head_dim, dtype=self.dtype, device=self.device
         )
-        cache = [
-            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
-            for i, layer in enumerate(self.layers)
-        ]
+        cache = self._cache_views(storage)
         positions = torch.arange(seq, device=self.device).unsqueeze(0)
-        hidden = self._forward(x, positions, cache, 0, None, seq > 1, seq - 1)
+        hidden = self._forward(x, positions, cache, 0, None, seq > 1, self._rope_tables(seq))
         return torch.log_softmax(self._logits(hidden[0]), dim=-1)
 
     @torch.inference_mode()
@@ -326,11 +364,10 @@ class LlamaDecoder:
         storage = torch.zeros(
             len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev
         )
-        # per-layer (keys, values) views, [B, kv_heads, positions, head_dim], made once per call
-        cache = [
-            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
-            for i, layer in enumerate(self.layers)
-        ]
+        cache = self._cache_views(storage)
+        if self.compiled:
+            torch._dynamo.mark_dynamic(storage, 4)  # the cache length differs from call to call
+            torch._dynamo.mark_dynamic(valid, 1)
 
         positions = (valid[:, :seq].long().cumsum(-1) - 1).clamp(min=0)
         if padded:
@@ -342,8 +379,9 @@ class LlamaDecoder:
         else:
             prefill_mask, causal_flag = None, seq > 1
 
+        rope = self._rope_tables(total)
         x = self._embed(ids)
-        hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, seq - 1)
+        hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, rope)
         logits = self._logits(hidden[:, -1])
         next_ids = logits.argmax(-1)
         now = clock()
@@ -369,14 +407,13 @@ class LlamaDecoder:
                 break
             cur = seq + step
             last_pos = last_pos + 1
-            if padded:
+            if padded or self.compiled:
+                # the compiled step always takes a mask: one graph for padded and unpadded batches
                 valid[:, cur] = True
                 step_mask = valid[:, None, None, : cur + 1]
             else:
                 step_mask = None
-            x = self._embed(next_ids.unsqueeze(1))
-            hidden = self._forward(x, last_pos.unsqueeze(1), cache, cur, step_mask, False, cur)
-            next_ids = self._logits(hidden[:, -1]).argmax(-1)
+            next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope)
             now = clock()
             step += 1
         for t in timings:

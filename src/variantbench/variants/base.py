@@ -47,6 +47,30 @@ class Recipe(BaseModel):
         return cls(kind=kind)
 
 
+def split_args(args: str | None) -> tuple[list[str], dict[str, str]]:
+    """``"0.3,groups,seed=1"`` -> (["0.3", "groups"], {"seed": "1"})."""
+    positional, named = [], {}
+    for part in (args or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if sep:
+            named[key.strip()] = value.strip()
+        else:
+            positional.append(part)
+    return positional, named
+
+
+def keyword_args(kind: str, args: str | None, allowed: tuple[str, ...]) -> dict[str, str]:
+    """The ``key=value`` arguments of a recipe that takes only those, checked against ``allowed``."""
+    positional, named = split_args(args)
+    wrong = positional + [k for k in named if k not in allowed]
+    if wrong:
+        raise UserError(f"{kind} takes {', '.join(k + '=' for k in allowed)} (got {wrong[0]!r})")
+    return named
+
+
 Transform = Callable[[nn.Module, Recipe], nn.Module]
 
 
@@ -138,4 +162,4 @@ def weight_format(recipes: tuple[Recipe, ...]) -> str:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
-    from variantbench.variants import distill, int8, onnx, precision, structure, weight_only  # noqa: F401
+    from variantbench.variants import compiled, distill, int8, onnx, precision, structure, weight_only  # noqa: F401

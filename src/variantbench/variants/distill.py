@@ -23,7 +23,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, register
+from variantbench.variants.base import Recipe, keyword_args, register
 
 
 class Distill(Recipe):
@@ -37,17 +37,7 @@ class Distill(Recipe):
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> Distill:
-        values: dict[str, Any] = {}
-        for part in (args or "").split(","):
-            if not part.strip():
-                continue
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if not sep or key not in ("steps", "lr", "temperature", "seq", "batch"):
-                raise UserError(
-                    f"distill takes steps=, lr=, temperature=, seq=, batch= (got {part.strip()!r})"
-                )
-            values[key] = value.strip()
+        values = keyword_args(kind, args, ("steps", "lr", "temperature", "seq", "batch"))
         return cls(kind=kind, **values)
 
 

@@ -33,21 +33,7 @@ import torch
 from torch import nn
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, register
-
-
-def _args(args: str | None) -> tuple[list[str], dict[str, str]]:
-    positional, named = [], {}
-    for part in (args or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        if sep:
-            named[key.strip()] = value.strip()
-        else:
-            positional.append(part)
-    return positional, named
+from variantbench.variants.base import Recipe, register, split_args
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
@@ -85,7 +71,7 @@ class PruneHeads(Recipe):
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> PruneHeads:
-        positional, named = _args(args)
+        positional, named = split_args(args)
         if not positional:
             raise UserError("prune-heads needs a ratio, e.g. prune-heads:0.3")
         try:
@@ -222,7 +208,7 @@ class DropLayers(Recipe):
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> DropLayers:
-        positional, named = _args(args)
+        positional, named = split_args(args)
         if len(positional) != 1 or named or not positional[0].isdigit():
             raise UserError(
                 f"drop-layers takes the number of layers to remove, e.g. drop-layers:15 (got {args!r})"
