@@ -270,7 +270,9 @@ def list_variants() -> None:
     built = list_built()
     typer.echo(f"\nbuilt ({len(built)}):" if built else "\nbuilt: none yet (variantbench build RECIPE)")
     for m in built:
-        params = f"{m['parameters'] / 1e6:7.1f}M params" if m.get("parameters") else f"{'(ONNX export)':>14s}"
+        params = (
+            f"{m['parameters'] / 1e6:7.1f}M params" if m.get("parameters") else f"{'(engine export)':>14s}"
+        )
         typer.echo(
             f"  {m.get('name', '?'):40s} {params} {m.get('bytes_on_disk', 0) / 1e6:7.1f} MB "
             f"built in {m.get('build_s', 0):.0f} s  {m['path']}"
@@ -292,16 +294,28 @@ def build(
 
     from variantbench.models import parse_model, prepare_model
     from variantbench.variants import parse_variant
-    from variantbench.variants.base import split_chain
-    from variantbench.variants.build import manifest_of, materialize
+    from variantbench.variants.base import engine_of, split_chain
+    from variantbench.variants.build import manifest_of, materialize, variants_root
 
     console = Console(stderr=True)
+
+    def say(message: str) -> None:
+        console.print(f"[dim]{message}[/dim]")
+
     try:
         chains = [(name, split_chain(parse_variant(name))) for name in recipes]
-        base = prepare_model(parse_model(model), status=lambda m: console.print(f"[dim]{m}[/dim]"))
+        base = prepare_model(parse_model(model), status=say)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:  # fmt: skip
             for name, (build_part, load_part) in chains:
+                engine = engine_of(parse_variant(name))
+                if engine is not None:  # an export for another engine (of the built model, if any)
+                    source = materialize(base, build_part, seed=seed, say=say) if build_part else base
+                    path = engine.artifact(source, variants_root(), say=say)
+                    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+                    size = sum(f.stat().st_size for f in files)
+                    console.print(f"{name}: {size / 1e6:.1f} MB -> {path}", highlight=False, soft_wrap=True)
+                    continue
                 if not build_part:
                     console.print(f"{name}: applied when loaded (nothing to build)")
                     continue
@@ -310,8 +324,7 @@ def build(
                 def tick(phase: str, done: int, total: int, task: int = task, name: str = name) -> None:
                     progress.update(task, description=f"{name}: {phase}", completed=done, total=total)
 
-                path = materialize(base, build_part, seed=seed, say=lambda m: console.print(f"[dim]{m}[/dim]"),
-                                   progress=tick)  # fmt: skip
+                path = materialize(base, build_part, seed=seed, say=say, progress=tick)
                 m = manifest_of(path)
                 progress.update(task, description=f"{name}: built", completed=1, total=1)
                 extra = f" (+ {'+'.join(r.spec() for r in load_part)} at load)" if load_part else ""

@@ -67,16 +67,18 @@ class VariantJob:
 
 
 def make_backend(model_dir: str, variant: str, device: str = "cpu", threads: int | None = None) -> Any:
-    """The in-process backend a variant runs on: ONNX Runtime GenAI for onnx-*, else our PyTorch engine."""
+    """The in-process backend a variant runs on: the engine recipe's own (onnx-*, gguf-*), else ours."""
+    import importlib
+
     from variantbench.variants import parse_variant
     from variantbench.variants.base import engine_of
 
-    if engine_of(parse_variant(variant)) is not None:
+    engine = engine_of(parse_variant(variant))
+    if engine is not None:
         if device != "cpu":
-            raise UserError(f"{variant}: the ONNX variants are built for the CPU here")
-        from variantbench.backends.ort_genai import OrtGenAIBackend
-
-        return OrtGenAIBackend(model_dir, variant, threads=threads)
+            raise UserError(f"{variant}: {engine.kind} variants run on the CPU here")
+        module, _, cls = type(engine).engine_backend.partition(":")
+        return getattr(importlib.import_module(module), cls)(model_dir, variant, threads=threads)
     from variantbench.backends.torch_backend import TorchBackend
 
     return TorchBackend(model_dir, variant, device=device, threads=threads)

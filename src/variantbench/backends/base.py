@@ -33,6 +33,9 @@ class GenerationResult:
     first_token_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
     end_ns: int = 0
+    # The engine's own account of the request where it keeps one (llama.cpp's perf counters), to
+    # cross-check our clock; never used for the latency itself.
+    engine_timings: dict[str, float] | None = None
 
 
 @dataclass

@@ -41,7 +41,7 @@ class OrtGenAIBackend:
         from variantbench.variants import parse_variant
         from variantbench.variants.base import engine_of, split_chain
         from variantbench.variants.build import materialize, variants_root
-        from variantbench.variants.onnx import OnnxExport, export, require_genai
+        from variantbench.variants.onnx import OnnxExport, require_genai
 
         require_genai()
         import onnxruntime_genai as og
@@ -54,7 +54,7 @@ class OrtGenAIBackend:
         source = self.model_dir
         if build:
             source = str(materialize(self.model_dir, build, seed=self.build_seed, say=self.status))
-        folder = export(source, engine, variants_root(), say=self.status)
+        folder = engine.artifact(source, variants_root(), say=self.status)
         config = og.Config(str(folder))
         if self.threads:
             config.set_provider_option("cpu", "intra_op_num_threads", str(self.threads))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -29,6 +30,8 @@ class Recipe(BaseModel):
     # "build": changes the architecture or trains; run once, saved as a Hugging Face folder in the
     # variant cache (variants/build.py); its transform also receives a BuildContext.
     stage: ClassVar[str] = "load"
+    # "engine" recipes only: the backend that runs the exported model, as "module:Class".
+    engine_backend: ClassVar[str] = ""
 
     def spec(self) -> str:
         """The recipe written back as ``kind[:args]`` (canonical: what the cache key hashes)."""
@@ -39,6 +42,10 @@ class Recipe(BaseModel):
             if k != "kind" and (fields[k].is_required() or v != fields[k].default)
         )
         return f"{self.kind}:{args}" if args else self.kind
+
+    def artifact(self, source: str | Path, root: Path, say: Callable[[str], None] | None = None) -> Path:
+        """Engine recipes: export ``source`` (a Hugging Face folder) for the engine, cached under ``root``."""
+        raise TypeError(f"{self.kind} is not an engine recipe")
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> Recipe:
@@ -162,4 +169,13 @@ def weight_format(recipes: tuple[Recipe, ...]) -> str:
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; done lazily so importing this module stays cheap.
-    from variantbench.variants import compiled, distill, int8, onnx, precision, structure, weight_only  # noqa: F401
+    from variantbench.variants import (  # noqa: F401
+        compiled,
+        distill,
+        gguf,
+        int8,
+        onnx,
+        precision,
+        structure,
+        weight_only,
+    )

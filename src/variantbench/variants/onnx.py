@@ -24,10 +24,14 @@ PRECISIONS = {"onnx-int4": "int4", "onnx-int8": "int8", "onnx-fp32": "fp32"}
 
 class OnnxExport(Recipe):
     stage: ClassVar[str] = "engine"
+    engine_backend: ClassVar[str] = "variantbench.backends.ort_genai:OrtGenAIBackend"
 
     @property
     def precision(self) -> str:
         return PRECISIONS[self.kind]
+
+    def artifact(self, source: str | Path, root: Path, say: Any = None) -> Path:
+        return export(source, self, root, say=say)
 
 
 class OnnxInt4(OnnxExport):

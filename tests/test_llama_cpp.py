@@ -1,0 +1,122 @@
+"""llama.cpp variants: our GGUF export, llama_model_quantize, and the llama-cpp-python backend.
+
+Skipped when llama-cpp-python (the ``llamacpp`` extra, a long source build) is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import shutil
+
+import pytest
+
+from variantbench.backends.base import GenerationRequest
+from variantbench.errors import UserError
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llamacpp extra) is not installed")
+
+PROMPTS = ["The mayor of the town", "Read the report and answer"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vb-cache")
+
+
+def _requests(n: int = 6) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", prompt=p, max_new_tokens=n) for i, p in enumerate(PROMPTS)]
+
+
+def test_f32_export_runs_the_same_model_as_torch(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.backends.torch_backend import TorchBackend
+    from variantbench.metrics.fidelity import FidelitySpec, measure
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    ours, gguf = TorchBackend(str(tiny_model_dir), "fp32"), LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
+    ours.load()
+    info = gguf.load()
+    assert info.details["gguf_file_type"] == 0 and info.details["backend"] == "llama.cpp"
+    for a, b in zip(ours.generate(_requests()), gguf.generate(_requests()), strict=True):
+        assert b.status == "ok", b.error
+        assert (b.text, b.output_tokens, b.input_tokens) == (a.text, a.output_tokens, a.input_tokens)
+    # the same distributions at every position: the query/key row permutation and the head size are right
+    spec = FidelitySpec(ctx=64, chunks=2, cache_dir=str(cache / "fid"), model_key=str(tiny_model_dir))
+    standard, other = measure(ours, spec, is_standard=True), measure(gguf, spec, is_standard=False)
+    assert other["perplexity"] == pytest.approx(standard["perplexity"], rel=1e-3)
+    assert other["kl_mean"] < 1e-3 and other["top1_agreement"] > 0.95
+    gguf.close()
+
+
+def test_every_request_starts_from_an_empty_context(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
+    backend.load()
+    same = [GenerationRequest(f"s{i}", prompt=PROMPTS[0], max_new_tokens=5) for i in range(3)]
+    results = backend.generate(same)
+    assert len({r.text for r in results}) == 1
+    for r in results:
+        # the whole prompt is evaluated every time (no KV-cache reuse across requests), and the
+        # perf counters hold this request alone (they were reset): prompt + each token but the last
+        assert r.engine_timings["prompt_tokens"] == r.input_tokens
+        assert r.engine_timings["eval_tokens"] == r.output_tokens - 1
+        # our clock and llama.cpp's agree: TTFT covers the prompt evaluation
+        ttft_ms = (r.first_token_ns - r.start_ns) / 1e6
+        assert ttft_ms >= r.engine_timings["prompt_eval_ms"] * 0.95
+    too_long = backend.generate([GenerationRequest("x", prompt="word " * 3000, max_new_tokens=4)])[0]
+    assert too_long.status == "error" and "exceeds the context" in too_long.error
+    backend.close()
+
+
+def test_quantized_files_come_from_the_f32_export(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.variants.gguf import gguf_file_type
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    q8 = LlamaCppBackend(str(tiny_model_dir), "gguf-q8_0")
+    info = q8.load()
+    path = Path(info.details["gguf"])
+    assert gguf_file_type(path) == 7
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    f32 = Path(manifest["from"])
+    assert gguf_file_type(f32) == 0 and path.stat().st_size < 0.5 * f32.stat().st_size
+    assert all(r.status == "ok" and r.output_tokens > 0 for r in q8.generate(_requests()))
+    q8.close()
+    # cached: a second load builds nothing
+    again = LlamaCppBackend(str(tiny_model_dir), "gguf-q8_0")
+    assert again.load().details["gguf"] == str(path)
+    again.close()
+
+
+def test_a_base_converted_from_gguf_runs_its_own_file(tiny_model_dir: Path, cache: Path, tmp_path: Path,
+                                                      monkeypatch) -> None:  # fmt: skip
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.variants.gguf import write_gguf
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    shipped = tmp_path / "shipped-f16.gguf"
+    write_gguf(tiny_model_dir, shipped, f16=True)
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "variantbench-model.json").write_text(json.dumps({"source": str(shipped), "format": "gguf"}))
+    backend = LlamaCppBackend(str(base), "gguf-f16")
+    assert backend.load().details["gguf"] == str(shipped)  # run as shipped, not re-made
+    assert backend.generate(_requests(3))[0].status == "ok"
+    backend.close()
+
+
+def test_gguf_recipes_end_the_chain_and_need_llama_architecture(tmp_path: Path) -> None:
+    from variantbench.variants import parse_variant
+    from variantbench.variants.base import split_chain
+    from variantbench.variants.gguf import write_gguf
+
+    with pytest.raises(UserError, match="ends the chain"):
+        split_chain(parse_variant("gguf-q4_0+int8"))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(UserError, match="Llama-architecture"):
+        write_gguf(tmp_path, tmp_path / "out.gguf")
