@@ -120,9 +120,29 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
 def test_variants_command_lists_kinds(tmp_path: Path) -> None:
     proc = _cli("variants", env={"VARIANTBENCH_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-1000:]
-    for kind in ("fp32", "bf16", "fp16", "int8", "prune-heads", "drop-layers", "distill", "onnx-int4"):
+    for kind in ("fp32", "bf16", "fp16", "int8", "prune-heads", "drop-layers", "distill", "onnx-int4",
+                 "compile", "gguf-q8_0"):  # fmt: skip
         assert kind in proc.stdout
     assert "built: none yet" in proc.stdout
+
+
+def test_clean_removes_interrupted_and_outdated_builds_only(tmp_path: Path) -> None:
+    from variantbench.variants.build import _versions
+
+    variants = tmp_path / "variants"
+    partial, old, current = variants / "abc.partial-123", variants / "old", variants / "current"
+    for folder in (partial, old, current, tmp_path / "fidelity" / "ref"):
+        folder.mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(b"x" * 1000)
+    (old / "manifest.json").write_text(json.dumps({"versions": {"torch": "1.0"}}))
+    (current / "manifest.json").write_text(json.dumps({"versions": _versions()}))
+    env = {"VARIANTBENCH_CACHE": str(tmp_path)}
+    dry = _cli("clean", "--dry-run", env=env)
+    assert dry.returncode == 0 and "2 entries" in dry.stdout and partial.exists() and old.exists()
+    assert _cli("clean", env=env).returncode == 0
+    assert not partial.exists() and not old.exists() and current.exists()
+    assert _cli("clean", "--all", env=env).returncode == 0
+    assert not current.exists() and not (tmp_path / "fidelity" / "ref").exists()
 
 
 def test_garbage_gguf_file(tmp_path: Path) -> None:

@@ -280,6 +280,30 @@ def list_variants() -> None:
 
 
 @app.command()
+def clean(
+    everything: Annotated[
+        bool, typer.Option("--all", help="also every built variant, fidelity reference and converted model")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list what would go, remove nothing")] = False,
+) -> None:
+    """Free cache space: interrupted builds and variants built with other library versions (--all: more)."""
+    from variantbench.paths import cache_root
+    from variantbench.variants.build import remove_entries, stale_entries
+
+    entries = stale_entries(everything=everything)
+    for path, size, why in entries:
+        typer.echo(f"{'would remove' if dry_run else 'removing'} {path} ({size / 1e6:.1f} MB): {why}")
+    total = sum(size for _, size, _ in entries)
+    if dry_run:
+        typer.echo(
+            f"{len(entries)} entries, {total / 1e6:.1f} MB in {cache_root()} (dry run: nothing removed)"
+        )
+        return
+    freed = remove_entries(entries)
+    typer.echo(f"freed {freed / 1e6:.1f} MB in {cache_root()} ({len(entries)} entries)")
+
+
+@app.command()
 def build(
     recipes: Annotated[
         list[str], typer.Argument(help="variant chains, e.g. prune-heads:0.3+drop-layers:15+distill")

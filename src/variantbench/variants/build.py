@@ -214,3 +214,51 @@ def materialize(
 
 def manifest_of(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "manifest.json").read_text())
+
+
+def stale_entries(cache: Path | None = None, everything: bool = False) -> list[tuple[Path, int, str]]:
+    """Cache entries that ``variantbench clean`` removes: (path, bytes, why).
+
+    Always: half-written ``.partial-*`` folders left by a killed build, and built variants whose
+    manifest records other library versions than the installed ones (their key can no longer be
+    asked for). With ``everything``: every variant, every cached fidelity reference and every
+    converted base model (downloads of the default model's package are kept).
+    """
+    root = cache or cache_root()
+    current = _versions()
+    found: list[tuple[Path, int, str]] = []
+    variants = variants_root(root)
+    for entry in sorted(variants.iterdir()) if variants.exists() else []:
+        if not entry.is_dir():
+            continue
+        if ".partial-" in entry.name:
+            found.append((entry, _folder_bytes(entry), "interrupted build"))
+            continue
+        try:
+            manifest = json.loads((entry / "manifest.json").read_text())
+        except (OSError, ValueError):
+            found.append((entry, _folder_bytes(entry), "no readable manifest"))
+            continue
+        if manifest.get("versions") != current:
+            found.append((entry, _folder_bytes(entry), "built with other library versions"))
+        elif everything:
+            found.append((entry, _folder_bytes(entry), "built variant"))
+    if everything:
+        for sub, why in (("fidelity", "fidelity reference"), ("models", "converted base model")):
+            folder = root / sub
+            for entry in sorted(folder.iterdir()) if folder.exists() else []:
+                size = _folder_bytes(entry) if entry.is_dir() else entry.stat().st_size
+                found.append((entry, size, why))
+    return found
+
+
+def remove_entries(entries: list[tuple[Path, int, str]]) -> int:
+    """Delete the entries; return the bytes freed."""
+    freed = 0
+    for path, size, _ in entries:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        freed += size
+    return freed
