@@ -21,24 +21,13 @@ import time
 
 import torch
 
+from variantbench.analysis.ceilings import memory_bandwidth_gbs
+
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain in a few sentences why the sky is blue.",
     "List three tips for keeping a small garden healthy through a dry summer.",
 ]
-
-
-def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> float:
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # written, so every page is real memory
-    buf.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    del buf
-    gc.collect()
-    return nbytes / best / 1e9
 
 
 def _timed(fn) -> float:  # noqa: ANN001

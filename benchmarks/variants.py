@@ -3,8 +3,8 @@
     python benchmarks/variants.py [--variants fp32,bf16,...] [--repeats 3]
 
 Per variant: bytes of weights in memory, decode tokens/s at batch 1 and at batch 8
-(64 new tokens after a short chat prompt; the ONNX Runtime GenAI backend serves a batch one
-request at a time, the PyTorch engine batches), prefill tokens/s at 512 input tokens, each also as a
+(64 new tokens after a short chat prompt; the ONNX Runtime GenAI and llama.cpp backends serve a
+batch one request at a time, the PyTorch engine batches), prefill tokens/s at 512 input tokens, each also as a
 ratio to fp32 measured in the same run (interleaved repeats; the median is kept). Built recipes
 (prune, drop layers, distill) come from the variant cache and are built on first use. A recipe
 with no working kernel or backend here gets a row that says why, never a missing row.
@@ -17,25 +17,13 @@ import statistics
 import time
 from typing import Any
 
-DEFAULT = "fp32,bf16,int8,prune-heads:0.3,drop-layers:15,drop-layers:15+distill,onnx-int4,onnx-int8,onnx-fp32"
+from variantbench.analysis.diagnosis import decode_rate
 
-
-STORY = "Write a long story about a small town on a river, its market, its mayor and its people."
-
-
-def _decode_rate(backend: Any, batch: int, new: int = 64) -> float:
-    """Output tokens after the first, over the time from the first token to the last (all requests)."""
-    from variantbench.backends.base import GenerationRequest
-
-    results = backend.generate(
-        [GenerationRequest(f"d{b}", prompt=STORY, max_new_tokens=new) for b in range(batch)]
-    )
-    bad = [r.error for r in results if r.status != "ok"]
-    if bad:
-        raise RuntimeError(bad[0])
-    tokens = sum(max(0, r.output_tokens - 1) for r in results)
-    span_s = (max(r.end_ns for r in results) - min(r.first_token_ns for r in results)) / 1e9
-    return tokens / span_s
+DEFAULT = (
+    "fp32,bf16,int8,int8-wo,prune-heads:0.3,drop-layers:15,drop-layers:15+distill,compile,"
+    "onnx-int4,onnx-int8,onnx-fp32"
+)
+GGUF = "gguf-f32,gguf-q8_0,gguf-q4_1,gguf-q4_0"  # added when llama-cpp-python is installed
 
 
 def _prefill_rate(backend: Any, text: str) -> float:
@@ -74,13 +62,14 @@ def measure(variants: list[str], repeats: int) -> dict[str, dict[str, Any]]:
             continue
         built = info.details.get("built") or {}
         rows[name] = {"bytes": info.param_bytes, "load_s": time.perf_counter() - started, "built": built,
+                      "compile_s": info.details.get("compile_s"),
                       "samples": {"b1": [], "b8": [], "prefill": []}}  # fmt: skip
         loaded[name] = backend
     for r in range(repeats):  # interleaved, so drift on a noisy host hits every variant alike
         for name, backend in loaded.items():
             s = rows[name]["samples"]
-            s["b1"].append(_decode_rate(backend, 1))
-            s["b8"].append(_decode_rate(backend, 8))
+            s["b1"].append(decode_rate(backend, 1))
+            s["b8"].append(decode_rate(backend, 8))
             s["prefill"].append(_prefill_rate(backend, long_text))
         print(f"repeat {r + 1}/{repeats} done", flush=True)
     for name, backend in loaded.items():
@@ -94,10 +83,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", default=DEFAULT)
+    parser.add_argument(
+        "--variants", default=None, help=f"default: {DEFAULT} (+ {GGUF} with llama-cpp-python)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    chosen = args.variants
+    if chosen is None:
+        import importlib.util
+
+        chosen = DEFAULT + ("," + GGUF if importlib.util.find_spec("llama_cpp") else "")
+    variants = [v.strip() for v in chosen.split(",") if v.strip()]
     if "fp32" not in variants:
         variants.insert(0, "fp32")
     rows = measure(variants, args.repeats)
@@ -121,6 +117,10 @@ def main() -> None:
         print(f"{name:34s} {mb:7.1f} {size_ratio:5.2f}x | {ratio(name, 'b1'):>15} | {ratio(name, 'b8'):>15} | "
               f"{ratio(name, 'prefill'):>17}")  # fmt: skip
     for name in variants:
+        if rows[name].get("compile_s") is not None:
+            print(
+                f"{name}: torch.compile took {rows[name]['compile_s']:.1f} s while loading (not in any rate above)"
+            )
         notes = (rows[name].get("built") or {}).get("notes") or {}
         if "distill" in notes:
             d = notes["distill"]

@@ -83,7 +83,7 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == "1.0"
+    assert report["schema_version"] == "1.1"
     # the standard runs first whatever the order given: the others are compared with it
     assert [r["variant"] for r in report["runs"]] == ["fp32", "int8", "bf16"]
     assert report["workload"]["tasks"] == {"qa": 2, "classification": 2}
@@ -115,6 +115,82 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     lines = (out / "queries.jsonl").read_text().splitlines()
     assert len(lines) == 12
     assert {json.loads(line)["variant"] for line in lines} == {"fp32", "int8", "bf16"}
+    # resources, cost, A/B, diagnosis and the decision
+    for run in report["runs"]:
+        res = run["resources"]
+        assert res["energy_source"] == "estimate" and res["energy_j"] > 0 and res["watts_per_core"] == 10.0
+        assert (
+            0 < res["mean_cpu_util"] <= 1.05
+            and res["startup_cold_s"] > 0
+            and "page cache" in res["startup_cold_note"]
+        )
+        assert run["cost"]["per_million_output_tokens"] > 0 and run["cost"]["tokens_per_joule"] > 0
+        diag = run["diagnosis"]
+        assert set(diag["op_share"]) == {"matmul", "attention", "quantize/dequantize", "norm", "other"}
+        assert set(diag["batch_tokens_per_s"]) == {"1", "8", "32"} and diag["ceiling_gbps"] > 0
+        assert (
+            "cache" not in diag["cache_misses"]
+            or "unavailable" in diag["cache_misses"]
+            or "%" in diag["cache_misses"]
+        )
+    assert runs["fp32"]["ab_vs_standard"] is None
+    for name in ("int8", "bf16"):
+        ab = runs[name]["ab_vs_standard"]
+        assert ab["verdict"] in ("faster", "slower", "no significant difference")
+        assert (
+            ab["latency_p50_ratio"]["ci_low"]
+            <= ab["latency_p50_ratio"]["value"]
+            <= ab["latency_p50_ratio"]["ci_high"]
+        )
+    recs = report["recommendations"]
+    assert set(recs) == {"edge", "cloud", "latency", "batch"}
+    for rec in recs.values():
+        assert set(rec["reasons"]) == {"fp32", "int8", "bf16"} and rec["summary"]
+    assert "edge" in proc.stdout and "deploy" in proc.stdout  # the decision ends the console output
+    md = (out / "report.md").read_text()
+    for section in ("## Summary", "## Comparison", "## A/B against the standard", "## Diagnosis",
+                    "## Recommendation per scenario", "## Cost model", "## Environment"):  # fmt: skip
+        assert section in md
+    # the report is a pure function of the query log and the raw data: regenerate it and compare
+    (out / "report.md").unlink()
+    again = _cli("report", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    rebuilt = json.loads((out / "report.json").read_text())
+    assert rebuilt["recommendations"] == report["recommendations"]
+    for a, b in zip(report["runs"], rebuilt["runs"], strict=True):
+        for key in (
+            "latency_ms",
+            "throughput",
+            "quality",
+            "cost",
+            "ab_vs_standard",
+            "resources",
+            "diagnosis",
+        ):
+            assert a[key] == b[key], key
+    assert (out / "report.md").read_text() == md
+
+
+def test_repeats_give_an_interval_across_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    proc = _cli(
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32,bf16", "--repeats", "3", "--tasks", "3",
+        "--max-new-tokens", "4", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
+        "--no-cold-start", "--no-isolate", "--scenario-profile", "latency", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "chosen scenario -> " in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    bf16 = report["runs"][1]
+    assert len(bf16["repeats"]) == 3 and all(r["status"] == "ok" for r in bf16["repeats"])
+    across = bf16["ab_vs_standard"]["across_repeats"]["latency_p50_ratio"]
+    assert across["n"] == 3 and across["ci_low"] <= across["mean"] <= across["ci_high"]
+    assert len((out / "queries.jsonl").read_text().splitlines()) == 18
+    assert len(list((out / "raw").glob("*.json"))) == 6
+
+
+def test_report_command_needs_a_run_folder(tmp_path: Path) -> None:
+    _assert_user_error(_cli("report", str(tmp_path)), "not a complete run folder")
 
 
 def test_variants_command_lists_kinds(tmp_path: Path) -> None:
@@ -193,7 +269,8 @@ def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> 
     proc = _cli(
         "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "20",
         "--tasks", "6", "--min-queries", "30", "--max-new-tokens", "4", "--latency-target-ms", "2000",
-        "--window", "10", "--no-isolate", "--input-lengths", "fixed:64", "--no-fidelity", "--out", str(out),
+        "--window", "10", "--no-isolate", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
+        "--no-cold-start", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = json.loads((out / "report.json").read_text())["runs"][0]

@@ -120,6 +120,32 @@ def run(
     fidelity_text: Annotated[
         Path | None, typer.Option(help="held-out text for logit fidelity (default: pydoc_data.topics)")
     ] = None,
+    repeats: Annotated[int, typer.Option(help="run each variant N times: mean and 95% CI across runs")] = 1,
+    diagnose: Annotated[
+        bool, typer.Option(help="profile each variant (operator families, batch 1/8/32, ceilings)")
+    ] = True,
+    cold_start: Annotated[
+        bool, typer.Option(help="time a fresh process to its first token, model files out of the page cache")
+    ] = True,
+    cost_per_hour: Annotated[float, typer.Option(help="hardware cost per device-hour")] = 0.10,
+    devices: Annotated[int, typer.Option(help="devices the hardware cost is paid for")] = 1,
+    currency: Annotated[str, typer.Option(help="currency of the cost figures")] = "USD",
+    energy_price_kwh: Annotated[float, typer.Option(help="energy price per kWh")] = 0.15,
+    watts_per_core: Annotated[
+        float, typer.Option(help="energy estimate per busy core where RAPL/NVML cannot be read")
+    ] = 10.0,
+    scenario_profile: Annotated[
+        str | None,
+        typer.Option(help="the deployment scenario to recommend for: edge | cloud | latency | batch"),
+    ] = None,
+    need_p99_ms: Annotated[float | None, typer.Option(help="constraint: P99 latency at most this")] = None,
+    need_memory_mb: Annotated[float | None, typer.Option(help="constraint: peak memory at most this")] = None,
+    need_quality: Annotated[
+        float | None, typer.Option(help="constraint: quality at least this % of the standard's")
+    ] = None,
+    need_qps: Annotated[float | None, typer.Option(help="constraint: at least this many queries/s")] = None,
+    need_build_s: Annotated[float | None, typer.Option(help="constraint: build time at most this")] = None,
+    need_no_gpu: Annotated[bool, typer.Option(help="constraint: must run without a GPU")] = False,
 ) -> None:
     """Build the variants, measure them side by side, print the comparison and write the report."""
     from variantbench.config import make_plan
@@ -175,6 +201,21 @@ def run(
             accuracy_only=accuracy_only,
             fidelity=fidelity,
             fidelity_text=fidelity_text,
+            repeats=repeats,
+            diagnose=diagnose,
+            cold_start=cold_start,
+            cost_per_hour=cost_per_hour,
+            devices=devices,
+            currency=currency,
+            energy_price_kwh=energy_price_kwh,
+            watts_per_core=watts_per_core,
+            scenario_profile=scenario_profile,
+            need_p99_ms=need_p99_ms,
+            need_memory_mb=need_memory_mb,
+            need_quality=need_quality,
+            need_qps=need_qps,
+            need_build_s=need_build_s,
+            need_no_gpu=need_no_gpu,
         )
         from variantbench.models import parse_model
         from variantbench.runner import check_writable, execute
@@ -200,7 +241,10 @@ def run(
         stdout.print(comparison_table(report))
     stdout.print(quality_table(report))
     stdout.print(task_table(report, timed=not plan.accuracy_only))
-    console.print(f"wrote {plan.out / 'report.json'} and {plan.out / 'queries.jsonl'}")
+    show_decision(stdout, report, plan.scenario_profile)
+    console.print(
+        f"wrote {plan.out / 'report.json'}, {plan.out / 'report.md'} and {plan.out / 'queries.jsonl'}"
+    )
     for r in report.runs:
         if r.peak is not None:
             peak = f"{r.peak.peak_qps:.3g} queries/s" if r.peak.peak_qps else "none of the rates tried passed"
@@ -219,6 +263,34 @@ def run(
         for r in failed:
             console.print(f"[red]{r.variant} failed:[/red] {r.error}", highlight=False)
         raise typer.Exit(1)
+
+
+def show_decision(out: Console, report: object, profile: str | None) -> None:
+    """The end of a run: the diagnosis of slower variants and the recommendation per scenario."""
+    from variantbench.report.markdown import summary_lines
+
+    lines = [ln for ln in summary_lines(report) if ln.strip() and not ln.startswith("## ")]  # type: ignore[arg-type]
+    recs = getattr(report, "recommendations", {}) or {}
+    if profile and profile in recs:
+        lines.append(f"chosen scenario -> {recs[profile]['summary']}")
+    for line in lines:
+        out.print(line.replace("**", ""), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def report(
+    folder: Annotated[Path, typer.Argument(help="a run's output folder (report.json, queries.jsonl, raw/)")],
+) -> None:
+    """Recompute report.json and report.md from a run's query log and raw data alone."""
+    from variantbench.runner import rebuild_report
+
+    try:
+        rebuilt = rebuild_report(folder)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    show_decision(Console(), rebuilt, rebuilt.plan.get("scenario_profile"))
+    Console(stderr=True).print(f"wrote {folder / 'report.json'} and {folder / 'report.md'}")
 
 
 @app.command()

@@ -69,6 +69,55 @@ class RunPlan(BaseModel):
     accuracy_only: bool = False
     fidelity: bool = True
     fidelity_text: Path | None = None
+    # resources, cost and the decision (analysis/)
+    repeats: PositiveInt = Field(1, description="run each variant N times: mean and CI across runs")
+    diagnose: bool = Field(True, description="profile each variant and measure batch efficiency")
+    cold_start: bool = Field(True, description="measure start-to-first-token in a fresh process")
+    cost_per_hour: float = Field(0.10, ge=0, description="hardware cost per device-hour")
+    devices: PositiveInt = 1
+    currency: str = "USD"
+    energy_price_kwh: float = Field(0.15, ge=0)
+    watts_per_core: float = Field(10.0, gt=0, description="energy estimate where RAPL/NVML are missing")
+    scenario_profile: str | None = Field(None, description="edge | cloud | latency | batch")
+    need_p99_ms: float | None = Field(None, gt=0)
+    need_memory_mb: float | None = Field(None, gt=0)
+    need_quality: float | None = Field(None, gt=0, le=100, description="% of the standard's quality")
+    need_qps: float | None = Field(None, gt=0)
+    need_build_s: float | None = Field(None, ge=0)
+    need_no_gpu: bool = False
+
+    @field_validator("scenario_profile")
+    @classmethod
+    def _profile(cls, value: str | None) -> str | None:
+        from variantbench.analysis.recommend import PROFILES
+
+        if value is not None and value not in PROFILES:
+            raise ValueError(f"unknown scenario profile {value!r}; known: {', '.join(PROFILES)}")
+        return value
+
+    def cost_model(self):  # noqa: ANN201 - analysis.cost.CostModel
+        from variantbench.analysis.cost import CostModel
+
+        return CostModel(cost_per_hour=self.cost_per_hour, devices=self.devices, currency=self.currency,
+                         energy_price_kwh=self.energy_price_kwh, watts_per_core=self.watts_per_core)  # fmt: skip
+
+    def custom_scenario(self):  # noqa: ANN201 - analysis.recommend.Scenario, or None
+        """The scenario given by the --need-* constraints, or None when none was given."""
+        from variantbench.analysis.recommend import Scenario
+
+        if not any((self.need_p99_ms, self.need_memory_mb, self.need_quality, self.need_qps,
+                    self.need_build_s is not None, self.need_no_gpu)):  # fmt: skip
+            return None
+        return Scenario(
+            name="custom",
+            description="the constraints given on the command line",
+            p99_latency_ms=self.need_p99_ms,
+            memory_budget_bytes=int(self.need_memory_mb * 1e6) if self.need_memory_mb else None,
+            gpu=not self.need_no_gpu,
+            quality_floor=self.need_quality / 100 if self.need_quality else None,
+            build_budget_s=self.need_build_s,
+            min_qps=self.need_qps,
+        )
 
     @field_validator("mix")
     @classmethod

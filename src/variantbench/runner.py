@@ -56,6 +56,10 @@ class VariantJob:
     criteria: Criteria | None = None
     fidelity: Any = None  # FidelitySpec, or None to skip logit fidelity
     is_standard: bool = False
+    watts_per_core: float = 10.0
+    diagnose: bool = False
+    counters: str = ""  # whether perf cache counters work here (analysis.diagnosis.cache_counters)
+    repeat: int = 0
 
     def backend(self) -> Any:
         if self.endpoint:
@@ -87,7 +91,7 @@ def make_backend(model_dir: str, variant: str, device: str = "cpu", threads: int
 def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
     """Load one variant, warm it up, run the scenario; return raw results (no statistics)."""
     from variantbench.loadgen.harness import run_scenario
-    from variantbench.trackers.memory import RssTracker
+    from variantbench.trackers.resources import ResourceTracker
 
     library = job.workload
     backend = job.backend()
@@ -102,7 +106,13 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
             emit(("progress", phase, done, total))
 
         trials: list[dict[str, Any]] = []
-        with QueryLog(job.log_path) as log, RssTracker() as rss:
+        gpu = (
+            int(job.device.split(":")[1])
+            if job.device.startswith("cuda:")
+            else (0 if job.device == "cuda" else None)
+        )
+        tracker = ResourceTracker(watts_per_core=job.watts_per_core, gpu_index=gpu)
+        with QueryLog(job.log_path) as log, tracker:
             if job.find_peak:
                 result, trials = _find_peak(job, backend, library, log, progress, emit)
             else:
@@ -113,9 +123,28 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
 
             emit(("status", "logit fidelity"))
             fidelity = measure(backend, job.fidelity, job.is_standard)
+        diagnosis = None
+        if job.diagnose and not job.endpoint:
+            from variantbench.analysis.diagnosis import diagnose_backend
+
+            emit(("status", "diagnosis: profile and batch efficiency"))
+            try:
+                diagnosis = diagnose_backend(
+                    backend, load.param_bytes, load.details.get("parameters"), job.counters
+                )
+            except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
+                diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
     finally:
         backend.close()
+    res = tracker.result
     return {
+        "variant": job.variant,
+        "is_standard": job.is_standard,
+        "repeat": job.repeat,
+        "run_id": job.load.run_id,
+        "scenario": job.load.scenario,
+        "diagnosis": diagnosis,
+        "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
         "name": backend.name,
         "peak_search": trials,
         "load_settings": {"rate_qps": result.target_qps},
@@ -127,10 +156,33 @@ def run_variant(job: VariantJob, emit: Emit) -> dict[str, Any]:
             "startup_s": load.startup_s,
             "param_bytes": load.param_bytes,
             "load_peak_rss_bytes": load_peak,
-            "peak_rss_bytes": rss.result.peak_rss_bytes,
-            "mean_rss_bytes": rss.result.mean_rss_bytes,
+            "peak_rss_bytes": res.peak_rss_bytes,
+            "mean_rss_bytes": res.mean_rss_bytes,
+            "mean_cpu_util": res.mean_cpu_util,
+            "cpu_s": res.cpu_s,
+            "wall_s": res.wall_s,
+            "cores": res.cores,
+            "energy_j": res.energy_j,
+            "energy_source": res.energy_source,
+            "watts_per_core": res.watts_per_core,
+            "gpu": res.gpu,
+            "startup_warm_s": load.startup_s,
+            "disk_bytes": _disk_bytes(load.details),
         },
     }
+
+
+def _disk_bytes(details: dict[str, Any]) -> int | None:
+    """Bytes on disk of what the variant loads beyond the base folder (built folder or export)."""
+    built = details.get("built") or {}
+    if built.get("bytes_on_disk"):
+        return int(built["bytes_on_disk"])
+    for key in ("gguf", "onnx_dir"):
+        if details.get(key):
+            path = Path(details[key])
+            files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+            return sum(f.stat().st_size for f in files)
+    return None
 
 
 def _find_peak(
@@ -208,25 +260,99 @@ def criteria_for(plan: RunPlan, seeds: dict[str, int] | None = None) -> Criteria
     )
 
 
-def _summarize(
-    job: VariantJob, payload: dict[str, Any], plan: RunPlan
-) -> tuple[RunReport, list[QueryRecord]]:
-    records = [QueryRecord.from_json(r) for r in payload["records"]]
+def summarize_payload(
+    payload: dict[str, Any],
+    records: list[QueryRecord],
+    plan: RunPlan,
+    standard: tuple[RunReport, list[QueryRecord]] | None = None,
+    ceilings: dict[str, Any] | None = None,
+) -> RunReport:
+    """One variant's run from its raw results and its query records: summary, resources, cost, A/B.
+
+    Pure function of the saved data (``raw/*.json`` and the query log), so ``variantbench report``
+    recomputes exactly what the run wrote.
+    """
+    from variantbench.analysis.cost import derive
+    from variantbench.metrics.windows import windows as make_windows
+    from variantbench.report.schema import AB, Cost, Diagnosis
+    from variantbench.trackers.resources import ResourceSample, window_resources
+
     fidelity = payload.get("fidelity") or {}
     criteria = replace(criteria_for(plan, payload["seeds"]), target_qps=payload["load_settings"]["rate_qps"])
+    raw = dict(payload["resources"])
+    raw.setdefault("startup_warm_s", raw.get("startup_s"))
     run = summarize_run(
-        payload.get("name") or job.variant,
+        payload.get("name") or payload["variant"],
         records,
-        Resources(**payload["resources"]),
+        Resources(**raw),
         backend=payload["load"].get("details", {}),
-        scenario=job.load.scenario,
+        scenario=payload.get("scenario", plan.scenario),
         criteria=criteria,
         fidelity={k: fidelity.get(k) for k in ("perplexity", "kl_mean", "kl_p99", "top1_agreement")},
     )
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
-    return run, records
+    samples = [ResourceSample(t, rss, cpu) for t, rss, cpu in payload.get("resource_samples") or []]
+    if samples and run.windows:
+        spans = [(w.start_ns, w.end_ns) for w in make_windows(records, criteria.window)]
+        for w, extra in zip(
+            run.windows, window_resources(samples, spans, raw.get("cores") or 1), strict=True
+        ):
+            w.mean_rss_bytes, w.mean_cpu_util = extra["mean_rss_bytes"], extra["mean_cpu_util"]
+    ok_tokens = sum(r.output_tokens for r in records if r.status == "ok")
+    run.cost = Cost(**derive(plan.cost_model(), duration_s=run.duration_s, output_tokens=ok_tokens,
+                             energy_j=raw.get("energy_j"), tracked_wall_s=raw.get("wall_s"),
+                             quality=run.quality.composite))  # fmt: skip
+    if payload.get("is_standard"):
+        run.quality_vs_standard = compare_to_standard(run, records, run, records)
+    elif standard is not None:
+        std_run, std_records = standard
+        if std_run.variant == run.variant:
+            run.quality_vs_standard = compare_to_standard(run, records, run, records)
+        elif std_run.status == "ok":
+            run.quality_vs_standard = compare_to_standard(
+                run, records, std_run, std_records,
+                threshold=plan.quality_threshold / 100, length_tolerance=plan.length_tolerance / 100,
+            )  # fmt: skip
+            run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
+    diag = payload.get("diagnosis")
+    if diag:
+        run.diagnosis = Diagnosis(
+            **{k: v for k, v in diag.items() if k in Diagnosis.model_fields},
+            ceiling_gflops=(ceilings or {}).get("matmul_gflops"),
+            ceiling_gbps=(ceilings or {}).get("memory_gbps"),
+        )
+    return run
+
+
+def ab_compare(variant: str, records: list[QueryRecord], standard: str, std_records: list[QueryRecord],
+               seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Ratios with bootstrap intervals and a Mann-Whitney test, per query, variant over standard."""
+    from variantbench.metrics import significance as sig
+
+    def lat(rs: list[QueryRecord]) -> list[float]:
+        return [r.latency_from_scheduled_ms for r in rs if r.status == "ok"]
+
+    a, b = lat(records), lat(std_records)
+    p50 = sig.bootstrap_ratio(a, b, 50, seed=seed)
+    p99 = sig.bootstrap_ratio(a, b, 99, seed=seed + 1)
+    ok_a = [r for r in records if r.status == "ok"]
+    ok_b = [r for r in std_records if r.status == "ok"]
+    tput = sig.bootstrap_rate_ratio([r.output_tokens for r in ok_a], [r.latency_ms for r in ok_a],
+                                    [r.output_tokens for r in ok_b], [r.latency_ms for r in ok_b],
+                                    seed=seed + 2)  # fmt: skip
+    p = sig.mann_whitney(a, b)
+    word = sig.verdict(p50, p)
+    return {
+        "standard": standard,
+        "latency_p50_ratio": p50,
+        "latency_p99_ratio": p99,
+        "throughput_ratio": tput,
+        "p_value": p,
+        "verdict": word,
+        "summary": sig.describe(variant, standard, p50, tput, p, word),
+    }
 
 
 def load_settings(plan: RunPlan, run_id: str, n_samples: int | None = None) -> LoadSettings:
@@ -391,51 +517,218 @@ def execute(plan: RunPlan, console: Console | None = None) -> Report:
             cache_dir=str(cache_root() / "fidelity"),
             model_key=model_dir,
         )
-    standard_records: list[QueryRecord] | None = None
+    ceilings: dict[str, Any] = {}
+    counters = ""
+    analyze = not plan.endpoint and not plan.accuracy_only  # an untimed pass has no speed to explain
+    if plan.diagnose and analyze:
+        from variantbench.analysis.ceilings import probe
+        from variantbench.analysis.diagnosis import cache_counters
+
+        console.print("[dim]probing the machine's ceilings (matmul GFLOP/s, memory GB/s)[/dim]")
+        ceilings = probe(plan.device if plan.device.startswith("cuda") else "cpu")
+        counters = cache_counters()
+        ceilings["cache_counters"] = counters
+        report.ceilings = ceilings
+    raw_dir = plan.out / "raw"
+    raw_dir.mkdir(exist_ok=True)
+    for old in raw_dir.glob("*.json"):
+        old.unlink()
+    standard: tuple[RunReport, list[QueryRecord]] | None = None
+    standard_repeats: list[RunReport] = []
     with progress:
         for variant in order:
-            job = VariantJob(
-                model_dir=model_dir,
-                variant=variant,
-                device=plan.device,
-                threads=plan.threads,
-                workload=library,
-                log_path=str(log_path),
-                load=load_settings(plan, run_id, len(library)),
-                endpoint=plan.endpoint,
-                endpoint_model=spec.name if plan.endpoint else None,
-                api=plan.api,
-                request_timeout=plan.request_timeout,
-                find_peak=plan.find_peak,
-                criteria=criteria_for(plan),
-                fidelity=fidelity,
-                is_standard=variant == report.standard,
-            )
             display = _Display(progress, variant)
             started = time.perf_counter()
-            try:
-                # an endpoint run loads nothing here: measuring it from this process is enough
-                isolated = plan.isolate and not plan.endpoint
-                payload = (_run_isolated if isolated else _run_inline)(job, display)
-                run, records = _summarize(job, payload, plan)
-                standard_run = report.run(report.standard)
-                if variant == report.standard:
-                    standard_records = records
-                    run.quality_vs_standard = compare_to_standard(run, records, run, records)
-                elif standard_run is not None and standard_run.status == "ok" and standard_records:
-                    run.quality_vs_standard = compare_to_standard(
-                        run, records, standard_run, standard_records,
-                        threshold=plan.quality_threshold / 100, length_tolerance=plan.length_tolerance / 100,
-                    )  # fmt: skip
+            repeats: list[RunReport] = []
+            for repeat in range(plan.repeats):
+                rid = run_id if plan.repeats == 1 else f"{run_id}#{repeat}"
+                job = VariantJob(
+                    model_dir=model_dir,
+                    variant=variant,
+                    device=plan.device,
+                    threads=plan.threads,
+                    workload=library,
+                    log_path=str(log_path),
+                    load=load_settings(plan, rid, len(library)),
+                    endpoint=plan.endpoint,
+                    endpoint_model=spec.name if plan.endpoint else None,
+                    api=plan.api,
+                    request_timeout=plan.request_timeout,
+                    find_peak=plan.find_peak,
+                    criteria=criteria_for(plan),
+                    fidelity=fidelity if repeat == 0 else None,
+                    is_standard=variant == report.standard,
+                    watts_per_core=plan.watts_per_core,
+                    diagnose=plan.diagnose and analyze and repeat == 0,
+                    counters=counters,
+                    repeat=repeat,
+                )
+                raw_path = raw_dir / f"{_safe(variant)}.{repeat}.json"
+                try:
+                    # an endpoint run loads nothing here: measuring it from this process is enough
+                    isolated = plan.isolate and not plan.endpoint
+                    payload = (_run_isolated if isolated else _run_inline)(job, display)
+                    records = [QueryRecord.from_json(r) for r in payload.pop("records")]
+                    if plan.cold_start and analyze and repeat == 0:
+                        from variantbench.analysis.startup import cold_start
+
+                        display(("status", "cold start in a fresh process"))
+                        cold_s, note = cold_start(model_dir, variant, payload["load"].get("details", {}),
+                                                  threads=plan.threads, device=plan.device)  # fmt: skip
+                        payload["resources"].update(startup_cold_s=cold_s, startup_cold_note=note)
+                    _write_json(raw_path, payload)
+                    run = summarize_payload(payload, records, plan, standard, ceilings)
+                    if repeat == 0 and variant == report.standard and run.status == "ok":
+                        standard = (run, records)
+                    progress.update(display.task, description=f"{variant}: done ({run.validity.verdict})")
+                except Exception as exc:
+                    _write_json(raw_path, {"variant": variant, "repeat": repeat, "status": "failed",
+                                           "error": str(exc)})  # fmt: skip
+                    run = RunReport(variant=variant, status="failed", error=str(exc))
+                    progress.update(display.task, description=f"[red]{variant}: failed[/red]")
+                repeats.append(run)
+            run = combine_repeats(repeats, standard_repeats)
+            if variant == report.standard:
+                standard_repeats = repeats
+            if run.status == "ok":
                 (plan.out / f"mlperf_log_summary.{_safe(variant)}.txt").write_text(run_summary(report, run))
-                progress.update(display.task, description=f"{variant}: done ({run.validity.verdict})")
-            except Exception as exc:
-                run = RunReport(variant=variant, status="failed", error=str(exc))
-                progress.update(display.task, description=f"[red]{variant}: failed[/red]")
             run.backend.setdefault("wall_s", round(time.perf_counter() - started, 3))
             report.runs.append(run)
             report.write(report_path)
+    finalize(report, plan)
+    report.write(report_path)
+    write_markdown(report, plan.out / "report.md")
     return report
+
+
+def rebuild_report(folder: Path) -> Report:
+    """report.json and report.md recomputed from the query log and raw/*.json alone."""
+    import json
+
+    from variantbench.loadgen.records import read_log
+
+    report_path, log_path, raw_dir = folder / "report.json", folder / "queries.jsonl", folder / "raw"
+    for needed in (report_path, log_path, raw_dir):
+        if not needed.exists():
+            raise UserError(f"{folder} is not a complete run folder: {needed.name} is missing")
+    try:
+        old = Report.read(report_path)
+        plan = RunPlan(**old.plan)
+        raws = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(raw_dir.glob("*.json"))]
+        records = read_log(log_path)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"cannot read the run in {folder}: {str(exc).splitlines()[0]}") from None
+    by_run: dict[str, list[QueryRecord]] = {}
+    for rec in records:
+        by_run.setdefault(rec.run_id, []).append(rec)
+    order = [r.variant for r in old.runs] or list(dict.fromkeys(raw["variant"] for raw in raws))
+    report = old.model_copy(update={"runs": [], "recommendations": {}})
+    standard: tuple[RunReport, list[QueryRecord]] | None = None
+    standard_repeats: list[RunReport] = []
+    for variant in order:
+        repeats: list[RunReport] = []
+        for raw in sorted((r for r in raws if r["variant"] == variant), key=lambda r: r.get("repeat", 0)):
+            if raw.get("status") == "failed":
+                repeats.append(RunReport(variant=variant, status="failed", error=raw.get("error")))
+                continue
+            recs = [r for r in by_run.get(raw["run_id"], []) if r.variant in (variant, raw.get("name"))]
+            run = summarize_payload(raw, recs, plan, standard, old.ceilings)
+            if raw.get("repeat", 0) == 0 and variant == report.standard:
+                standard = (run, recs)
+            repeats.append(run)
+        if not repeats:
+            continue
+        run = combine_repeats(repeats, standard_repeats)
+        if variant == report.standard:
+            standard_repeats = repeats
+        previous = old.run(variant)
+        if previous is not None and "wall_s" in previous.backend:
+            run.backend.setdefault("wall_s", previous.backend["wall_s"])
+        report.runs.append(run)
+    finalize(report, plan)
+    report.write(report_path)
+    write_markdown(report, folder / "report.md")
+    return report
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    import json
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(path)
+
+
+def combine_repeats(repeats: list[RunReport], standard_repeats: list[RunReport]) -> RunReport:
+    """The first run is the report's row; with --repeats, each run's key numbers and, against the
+    standard's run of the same index, the mean and 95% CI of the ratios across runs."""
+    from variantbench.metrics.significance import across_runs
+
+    main = repeats[0]
+    if len(repeats) < 2:
+        return main
+    main.repeats = [
+        {
+            "repeat": i,
+            "status": r.status,
+            "latency_p50_ms": r.latency_ms.p50,
+            "latency_p99_ms": r.latency_ms.p99,
+            "output_tokens_per_s": r.throughput.output_tokens_per_s,
+        }  # fmt: skip
+        for i, r in enumerate(repeats)
+    ]
+    if main.ab_vs_standard is not None and standard_repeats:
+        p50, tput = [], []
+        for mine, theirs in zip(repeats, standard_repeats, strict=False):
+            if mine.status == theirs.status == "ok" and mine.latency_ms.p50 and theirs.latency_ms.p50:
+                p50.append(mine.latency_ms.p50 / theirs.latency_ms.p50)
+                if mine.throughput.output_tokens_per_s and theirs.throughput.output_tokens_per_s:
+                    tput.append(mine.throughput.output_tokens_per_s / theirs.throughput.output_tokens_per_s)
+        main.ab_vs_standard.across_repeats = {
+            "latency_p50_ratio": across_runs(p50),
+            "throughput_ratio": across_runs(tput),
+        }
+    return main
+
+
+def finalize(report: Report, plan: RunPlan) -> None:
+    """What needs every run: each diagnosis explained against the standard's, the recommendations."""
+    from variantbench.analysis.diagnosis import explain
+    from variantbench.analysis.recommend import PROFILES, recommend
+
+    std = report.run(report.standard)
+    for run in report.runs:
+        if run.diagnosis is None or std is None or std.diagnosis is None or run.status != "ok":
+            continue
+        if run.diagnosis.summary.startswith("diagnosis failed"):
+            continue
+        if run.variant == std.variant:
+            run.diagnosis.summary = f"{run.variant}: the standard (baseline of the comparison)"
+            continue
+
+        def ratio(mine: float | None, theirs: float | None) -> float | None:
+            return mine / theirs if mine and theirs else None
+
+        run.diagnosis.summary = explain(
+            run.variant, run.diagnosis.model_dump(), std.variant, std.diagnosis.model_dump(),
+            ratio(run.speed.decode_tokens_per_s, std.speed.decode_tokens_per_s),
+            ratio(run.speed.prefill_tokens_per_s, std.speed.prefill_tokens_per_s),
+        )  # fmt: skip
+    scenarios = dict(PROFILES)
+    custom = plan.custom_scenario()
+    if custom is not None:
+        scenarios["custom"] = custom
+    report.recommendations = {
+        name: recommend(report.runs, report.standard, s) for name, s in scenarios.items()
+    }
+
+
+def write_markdown(report: Report, path: Path) -> None:
+    from variantbench.report.markdown import render
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(render(report), encoding="utf-8")
+    tmp.replace(path)
 
 
 def _load_file(plan: RunPlan, console: Console) -> Workload:

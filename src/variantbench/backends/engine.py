@@ -16,6 +16,7 @@ called as the module it is, so every recipe runs through the same loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import contextlib
 from dataclasses import dataclass, field
 import time
 
@@ -183,6 +184,7 @@ class LlamaDecoder:
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step = self._decode_step
         self.compiled = False
+        self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
 
     # ---- building blocks -------------------------------------------------------------------
 
@@ -273,6 +275,9 @@ class LlamaDecoder:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._rms_norm(hidden, self.final_norm)).float()
+
+    def _region(self, name: str) -> contextlib.AbstractContextManager:
+        return torch.profiler.record_function(name) if self.profile_regions else contextlib.nullcontext()
 
     def _cache_views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) views of the cache storage, [B, kv_heads, positions, head_dim]."""
@@ -380,10 +385,10 @@ class LlamaDecoder:
             prefill_mask, causal_flag = None, seq > 1
 
         rope = self._rope_tables(total)
-        x = self._embed(ids)
-        hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, rope)
-        logits = self._logits(hidden[:, -1])
-        next_ids = logits.argmax(-1)
+        with self._region("prefill"):
+            x = self._embed(ids)
+            hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, rope)
+            next_ids = self._logits(hidden[:, -1]).argmax(-1)
         now = clock()
         prefill_ns = now - t0
 
@@ -413,7 +418,8 @@ class LlamaDecoder:
                 step_mask = valid[:, None, None, : cur + 1]
             else:
                 step_mask = None
-            next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope)
+            with self._region("decode_step"):
+                next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope)
             now = clock()
             step += 1
         for t in timings:

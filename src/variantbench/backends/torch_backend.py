@@ -71,6 +71,7 @@ class TorchBackend:
             built = manifest_of(Path(source))
         self._tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        parameters = sum(p.numel() for p in model.parameters())  # before quantization repacks them
         if self.device != "cpu":
             model = model.to(self.device)
         model = apply_recipes(model, load_time)
@@ -102,6 +103,7 @@ class TorchBackend:
             "torch_version": torch.__version__,
             "architecture": type(model).__name__,
             "layers": len(self._decoder.layers),
+            "parameters": parameters,
         }
         compile_options = getattr(model, COMPILE_ATTRIBUTE, None)
         del model

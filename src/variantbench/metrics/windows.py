@@ -25,6 +25,8 @@ class Window:
     mean_latency_ms: float | None
     qps: float | None
     output_tokens_per_s: float | None
+    start_ns: int = 0  # the window's span: (previous window's last completion, its last completion]
+    end_ns: int = 0
 
 
 def windows(records: Sequence[QueryRecord], size: int = 50) -> list[Window]:
@@ -38,7 +40,7 @@ def windows(records: Sequence[QueryRecord], size: int = 50) -> list[Window]:
         ok = [r for r in chunk if r.status == "ok"]
         lat = [r.latency_from_scheduled_ms for r in ok]
         span_s = (chunk[-1].completed_ns - previous_end) / 1e9
-        previous_end = chunk[-1].completed_ns
+        chunk_start, previous_end = previous_end, chunk[-1].completed_ns
         out.append(
             Window(
                 index=len(out),
@@ -48,6 +50,8 @@ def windows(records: Sequence[QueryRecord], size: int = 50) -> list[Window]:
                 mean_latency_ms=statistics.fmean(lat) if lat else None,
                 qps=len(ok) / span_s if span_s > 0 else None,
                 output_tokens_per_s=sum(r.output_tokens for r in ok) / span_s if span_s > 0 else None,
+                start_ns=chunk_start,
+                end_ns=chunk[-1].completed_ns,
             )
         )
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 class _Model(BaseModel):
@@ -85,12 +85,82 @@ class TaskReport(_Model):
     quality: Quality = Field(default_factory=Quality)
 
 
+class GpuResources(_Model):
+    util: float | None = None  # mean percent
+    mem_bytes: int | None = None  # peak used
+    energy_j: float | None = None
+
+
 class Resources(_Model):
     startup_s: float | None = None  # load to ready (first token possible), in a warm process
+    startup_warm_s: float | None = None  # the same, named as the cost/decision sections read it
+    startup_cold_s: float | None = (
+        None  # fresh process start to first token, model files out of the page cache
+    )
+    startup_cold_note: str | None = None  # how "cold" was arranged, or why it could not be
     peak_rss_bytes: int | None = None  # while serving: warm-up and measured queries
     mean_rss_bytes: float | None = None
     load_peak_rss_bytes: int | None = None  # high-water mark of the process up to ready
-    param_bytes: int | None = None
+    param_bytes: int | None = None  # weights in memory
+    disk_bytes: int | None = None  # the variant's files on disk (built folder, ONNX or GGUF)
+    mean_cpu_util: float | None = None  # CPU seconds / (wall seconds x usable cores), 0-1
+    cpu_s: float | None = None
+    wall_s: float | None = None
+    cores: int | None = None
+    energy_j: float | None = None
+    energy_source: str | None = None  # "rapl" | "estimate" (+ "+nvml" with a GPU)
+    watts_per_core: float | None = None  # the estimate's assumption, when energy is an estimate
+    gpu: GpuResources | None = None
+
+
+class Ratio(_Model):
+    value: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+class AB(_Model):
+    """This variant against the standard on per-query values, bootstrap 95% intervals."""
+
+    standard: str
+    latency_p50_ratio: Ratio = Field(default_factory=Ratio)  # variant / standard: < 1 is faster
+    latency_p99_ratio: Ratio = Field(default_factory=Ratio)
+    throughput_ratio: Ratio = Field(
+        default_factory=Ratio
+    )  # output tokens/s, variant / standard: > 1 is faster
+    p_value: float | None = None  # two-sided Mann-Whitney U on per-query latencies
+    verdict: str = "no significant difference"  # "faster" | "slower" | "no significant difference"
+    summary: str = ""
+    across_repeats: dict[str, Any] | None = None  # --repeats: mean and 95% CI of each run's ratios
+
+
+class Cost(_Model):
+    """Derived from the run and the cost model (plan.cost); every input is kept to check by hand."""
+
+    per_million_output_tokens: float | None = None
+    tokens_per_joule: float | None = None
+    efficiency: float | None = None
+    efficiency_units: str = ""
+    inputs: dict[str, Any] = Field(default_factory=dict)
+
+
+class Diagnosis(_Model):
+    """Where a variant's time goes (operator families), against the machine's measured ceilings."""
+
+    op_share: dict[str, float] = Field(default_factory=dict)  # decode step: share of profiled time
+    op_ms: dict[str, float] = Field(default_factory=dict)  # decode step: ms per step by family
+    prefill_op_share: dict[str, float] = Field(default_factory=dict)
+    prefill_op_ms: dict[str, float] = Field(default_factory=dict)  # one prefill of the profiled prompt
+    decode_step_ms: float | None = None
+    top_ops: list[dict[str, Any]] = Field(default_factory=list)  # decode: the operators taking most time
+    achieved_gflops: float | None = None  # decode at batch 1: 2 x parameters x tokens/s
+    achieved_gbps: float | None = None  # decode at batch 1: weight bytes x tokens/s
+    ceiling_gflops: float | None = None
+    ceiling_gbps: float | None = None
+    batch_tokens_per_s: dict[str, float] = Field(default_factory=dict)  # "1", "8", "32"
+    cache_misses: str | None = None  # perf counters, or why they were unavailable
+    profiler: str | None = None
+    summary: str = ""
 
 
 class LagDist(_Model):
@@ -114,6 +184,8 @@ class WindowReport(_Model):
     mean_latency_ms: float | None = None
     qps: float | None = None
     output_tokens_per_s: float | None = None
+    mean_rss_bytes: float | None = None  # resource samples within the window's span
+    mean_cpu_util: float | None = None
 
 
 class Outliers(_Model):
@@ -168,6 +240,10 @@ class RunReport(_Model):
     quality_vs_standard: QualityVsStandard | None = None
     per_task: dict[str, TaskReport] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
+    cost: Cost | None = None
+    ab_vs_standard: AB | None = None
+    diagnosis: Diagnosis | None = None
+    repeats: list[dict[str, Any]] = Field(default_factory=list)  # --repeats: each run's key numbers
     queries: Queries = Field(default_factory=Queries)
     input_tokens: Tail = Field(default_factory=Tail)
     output_tokens: Tail = Field(default_factory=Tail)
@@ -183,6 +259,8 @@ class Report(_Model):
     workload: dict[str, Any]
     environment: dict[str, Any]
     runs: list[RunReport] = Field(default_factory=list)
+    ceilings: dict[str, Any] = Field(default_factory=dict)  # measured matmul GFLOP/s and memory GB/s
+    recommendations: dict[str, Any] = Field(default_factory=dict)  # profile -> {variant, reasons, ...}
 
     def run(self, variant: str) -> RunReport | None:
         return next((r for r in self.runs if r.variant == variant), None)

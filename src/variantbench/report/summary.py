@@ -147,7 +147,10 @@ def summarize_run(
         target_qps=crit.target_qps if scenario == "server" else None,
         achieved_qps=achieved_qps,
         validity=Validity(**asdict(verdict)),
-        windows=[WindowReport(**asdict(w)) for w in ws],
+        windows=[
+            WindowReport(**{k: v for k, v in asdict(w).items() if k not in ("start_ns", "end_ns")})
+            for w in ws
+        ],
         stable=stable(ws),
         outliers=Outliers(
             removed=lat_trim.removed,

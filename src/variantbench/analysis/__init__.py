@@ -1,0 +1,1 @@
+"""Turning measurements into a decision: cost, machine ceilings, diagnosis, scenario recommendation."""

@@ -1,0 +1,235 @@
+"""report.md: the decision in words and tables, a pure function of report.json's schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from variantbench.report.schema import Report
+
+
+def _f(value: float | None, fmt: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:,.0f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def _ratio(r: Any) -> str:
+    if r is None or r.value is None:
+        return "-"
+    if r.ci_low is None:
+        return f"{r.value:.2f}"
+    return f"{r.value:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]"
+
+
+def summary_lines(report: Report) -> list[str]:
+    """The summary section: a recommendation per scenario, then why any variant is slower."""
+    lines = ["## Summary", ""]
+    for name, rec in report.recommendations.items():
+        lines.append(f"- **{name}** ({rec.get('description', '')}): {rec.get('summary', '')}")
+    diag = [r.diagnosis.summary for r in report.runs if r.diagnosis and r.diagnosis.summary
+            and "slower" in r.diagnosis.summary]  # fmt: skip
+    if diag:
+        lines += ["", "Where a variant is slower than the standard:", ""]
+        lines += [f"- {d}" for d in diag]
+    failed = [r for r in report.runs if r.status != "ok"]
+    if failed:
+        lines += ["", "Variants that did not run:", ""] + [f"- {r.variant}: {r.error}" for r in failed]
+    return lines
+
+
+def _comparison(report: Report) -> list[str]:
+    rows = []
+    for r in report.runs:
+        if r.status != "ok":
+            rows.append([r.variant, "failed: " + (r.error or "")] + ["-"] * 12)
+            continue
+        vs = r.quality_vs_standard
+        res = r.resources
+        rows.append([
+            r.variant,
+            r.weight_format or "-",
+            _f(r.latency_ms.p50, ",.0f"),
+            _f(r.latency_ms.p99, ",.0f"),
+            _f(r.ttft_ms.p50, ",.0f"),
+            _f(r.speed.prefill_tokens_per_s),
+            _f(r.speed.decode_tokens_per_s),
+            _f(r.quality.composite, ".3f"),
+            f"{_f(vs.ratio * 100 if vs and vs.ratio is not None else None, '.1f', '%')} {vs.gate if vs else ''}",
+            _mb(res.peak_rss_bytes),
+            f"{_f(res.startup_warm_s or res.startup_s)} / {_f(res.startup_cold_s)}",
+            f"{_f(res.energy_j, ',.0f')} ({res.energy_source or '-'})",
+            _f(r.cost.per_million_output_tokens if r.cost else None, ".4g"),
+            _f(r.cost.efficiency if r.cost else None, ".4g"),
+        ])  # fmt: skip
+    return _table(
+        ["variant", "weights", "p50 ms", "p99 ms", "TTFT p50 ms", "prefill tok/s", "decode tok/s", "quality",
+         "vs standard", "peak RSS MB", "startup warm/cold s", "energy J (source)", "cost / 1M tok",
+         "efficiency"],
+        rows,
+    )  # fmt: skip
+
+
+def _ab(report: Report) -> list[str]:
+    rows = []
+    for r in report.runs:
+        ab = r.ab_vs_standard
+        if ab is None:
+            continue
+        across = ""
+        if ab.across_repeats:
+            lat = ab.across_repeats.get("latency_p50_ratio") or {}
+            if lat.get("mean") is not None:
+                across = f"{lat['mean']:.2f}" + (
+                    f" [{lat['ci_low']:.2f}, {lat['ci_high']:.2f}] over {lat['n']} runs"
+                    if lat.get("ci_low") is not None
+                    else ""
+                )
+        rows.append([r.variant, _ratio(ab.latency_p50_ratio), _ratio(ab.latency_p99_ratio),
+                     _ratio(ab.throughput_ratio), _f(ab.p_value, ".3g"), ab.verdict, across or "-"])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        f"## A/B against the standard ({report.standard})",
+        "",
+        "Ratios are variant / standard with 95% bootstrap intervals; latency below 1 and throughput above 1 "
+        "are faster. p: two-sided Mann-Whitney U on per-query latencies.",
+        "",
+        *_table(
+            ["variant", "median latency", "P99 latency", "throughput", "p", "verdict", "across repeats"], rows
+        ),
+        "",
+    ]
+
+
+def _diagnosis(report: Report) -> list[str]:
+    runs = [r for r in report.runs if r.diagnosis is not None]
+    if not runs:
+        return []
+    c = report.ceilings
+    lines = [
+        "## Diagnosis",
+        "",
+        f"Machine ceilings: {_f(c.get('matmul_gflops'))} GFLOP/s fp32 matmul, {_f(c.get('memory_gbps'), '.2f')} GB/s "
+        f"memory read ({c.get('how', '')}). Cache-miss counters: {c.get('cache_counters') or 'not probed'}.",
+        "",
+    ]
+    fams = ["matmul", "attention", "quantize/dequantize", "norm", "other"]
+    rows = []
+    for r in runs:
+        d = r.diagnosis
+        assert d is not None
+        share = [f"{d.op_share[f]:.0%}" if f in d.op_share else "-" for f in fams]
+        batch = " / ".join(
+            d.batch_tokens_per_s.get(k) and f"{d.batch_tokens_per_s[k]:.0f}" or "-" for k in ("1", "8", "32")
+        )
+        roof = "-"
+        if d.achieved_gbps is not None and d.ceiling_gbps:
+            roof = f"{d.achieved_gbps:.2f} GB/s ({d.achieved_gbps / d.ceiling_gbps:.0%})"
+        rows.append(
+            [r.variant, _f(d.decode_step_ms, ".2f"), *share, batch, _f(d.achieved_gflops, ".2f"), roof]
+        )
+    lines += _table(
+        ["variant", "decode step ms", *[f"{f} share" for f in fams], "decode tok/s at batch 1 / 8 / 32",
+         "achieved GFLOP/s", "achieved bandwidth (of ceiling)"],
+        rows,
+    )  # fmt: skip
+    lines += [""] + [f"- {r.diagnosis.summary}" for r in runs if r.diagnosis and r.diagnosis.summary]
+    notes = {r.diagnosis.profiler for r in runs if r.diagnosis and r.diagnosis.profiler}
+    lines += ["", "Profiles: " + "; ".join(sorted(notes)) + ". FBGEMM's dynamic int8 linear quantizes its "
+              "activations inside the kernel: that time counts as matmul.", ""]  # fmt: skip
+    return lines
+
+
+def _recommendations(report: Report) -> list[str]:
+    if not report.recommendations:
+        return []
+    lines = ["## Recommendation per scenario", ""]
+    for name, rec in report.recommendations.items():
+        constraints = ", ".join(
+            f"{k}={v}" for k, v in (rec.get("constraints") or {}).items() if k not in ("name", "description")
+        )
+        lines += [f"### {name}", "", f"{rec.get('description', '')} ({constraints})", "",
+                  f"**{rec.get('summary', '')}**", ""]  # fmt: skip
+        for variant, why in (rec.get("reasons") or {}).items():
+            lines.append(f"- {variant}: {why}")
+        lines.append("")
+    return lines
+
+
+def _cost(report: Report) -> list[str]:
+    run = next((r for r in report.runs if r.cost is not None), None)
+    if run is None or run.cost is None:
+        return []
+    i = run.cost.inputs
+    lines = [
+        "## Cost model",
+        "",
+        f"Hardware {i.get('cost_per_hour')} {i.get('currency')}/h x {i.get('devices')} device(s); energy "
+        f"{i.get('energy_price_kwh')} {i.get('currency')}/kWh. Energy of a run = its tracked mean power x its "
+        "measured span. Efficiency = quality x throughput / (hardware cost x energy per token), in "
+        f"{run.cost.efficiency_units}.",
+        "",
+    ]
+    rows = []
+    for r in report.runs:
+        if r.cost is None:
+            continue
+        x = r.cost.inputs
+        rows.append([r.variant, _f(x.get("quality"), ".3f"), _f(x.get("throughput_tokens_per_s"), ".2f"),
+                     _f(x.get("energy_per_token_j"), ".3f"), _f(x.get("duration_s"), ".1f"),
+                     _f(x.get("span_energy_j"), ",.0f"), _f(r.cost.tokens_per_joule, ".3f"),
+                     _f(r.cost.per_million_output_tokens, ".4g"), _f(r.cost.efficiency, ".4g")])  # fmt: skip
+    lines += _table(["variant", "quality", "output tok/s", "J / token", "span s", "energy J", "tokens / J",
+                     "cost / 1M tokens", "efficiency"], rows)  # fmt: skip
+    sources = {r.resources.energy_source for r in report.runs if r.resources.energy_source}
+    if any("estimate" in s for s in sources):
+        watts = next((r.resources.watts_per_core for r in report.runs if r.resources.watts_per_core), None)
+        lines += [
+            "",
+            f"Energy is an **estimate** (no readable RAPL counter): CPU seconds x {watts} W per busy core.",
+        ]
+    return lines + [""]
+
+
+def _environment(report: Report) -> list[str]:
+    e = report.environment
+    seeds = {k: v for r in report.runs for k, v in r.seeds.items()}
+    lines = ["## Environment", ""]
+    lines += [f"- {k}: {v}" for k, v in e.items()]
+    lines += [f"- seeds: {seeds or report.plan.get('seed')}", f"- variantbench {report.tool_version}, "
+              f"report schema {report.schema_version}, created {report.created_utc}"]  # fmt: skip
+    return lines + [""]
+
+
+def render(report: Report) -> str:
+    w = report.workload
+    lines = [
+        f"# variantbench report: {report.model.get('name')}",
+        "",
+        f"Standard: **{report.standard}**. Variants: {', '.join(r.variant for r in report.runs)}. Workload: "
+        f"{w.get('samples', w.get('n', '?'))} samples ({w.get('source', w.get('kind', 'synthetic'))}), "
+        f"scenario {report.plan.get('scenario')}.",
+        "",
+        *summary_lines(report),
+        "",
+        "## Comparison",
+        "",
+        *_comparison(report),
+        "",
+        *_ab(report),
+        *_diagnosis(report),
+        *_recommendations(report),
+        *_cost(report),
+        *_environment(report),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,181 @@
+"""Resources, cost, A/B statistics, diagnosis and the recommendation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+import threading
+
+import numpy as np
+import pytest
+
+from variantbench.analysis.cost import CostModel, derive
+from variantbench.analysis.recommend import PROFILES, Scenario, recommend
+from variantbench.metrics import significance as sig
+from variantbench.report.schema import Cost, QualityVsStandard, Resources, RunReport
+from variantbench.trackers.resources import ResourceTracker, rapl_domains, window_resources
+
+# ---- trackers ------------------------------------------------------------------------------------
+
+
+def test_tracker_stops_its_thread_when_the_body_raises() -> None:
+    before = {t.name for t in threading.enumerate()}
+    tracker = ResourceTracker(interval_s=0.005, rapl_root="/nonexistent")
+    with pytest.raises(RuntimeError, match="boom"), tracker:
+        sum(i * i for i in range(200_000))  # some CPU time to see
+        raise RuntimeError("boom")
+    assert "variantbench-resources" not in {t.name for t in threading.enumerate()} - before
+    r = tracker.result
+    assert r.peak_rss_bytes > 0 and len(r.samples) >= 2 and r.cpu_s > 0
+    # no RAPL here: the energy is an estimate, labelled so, from CPU seconds x watts per core
+    assert r.energy_source == "estimate" and r.watts_per_core == 10.0
+    assert r.energy_j == pytest.approx(r.cpu_s * 10.0)
+    assert r.gpu is None
+
+
+def test_energy_source_is_what_the_machine_offers() -> None:
+    tracker = ResourceTracker(interval_s=0.01)
+    with tracker:
+        pass
+    readable = bool(rapl_domains())
+    assert tracker.result.energy_source == ("rapl" if readable else "estimate")
+
+
+def test_rapl_counter_is_read_and_its_wrap_around_handled(tmp_path: Path) -> None:
+    domain = tmp_path / "intel-rapl:0"
+    domain.mkdir()
+    (domain / "name").write_text("package-0\n")
+    (domain / "max_energy_range_uj").write_text("1000000000\n")
+    (domain / "energy_uj").write_text("999000000\n")  # 1 J before the wrap
+    tracker = ResourceTracker(interval_s=0.01, rapl_root=str(tmp_path))
+    with tracker:
+        (domain / "energy_uj").write_text("2000000\n")  # wrapped, then 2 J more
+    assert tracker.result.energy_source == "rapl"
+    assert tracker.result.energy_j == pytest.approx(3.0)
+
+
+def test_samples_align_to_windows() -> None:
+    from variantbench.trackers.resources import ResourceSample
+
+    samples = [ResourceSample(t * 1_000_000_000, 100 + t, cpu_s=0.5 * t) for t in range(11)]
+    out = window_resources(samples, [(0, 4_000_000_000), (4_000_000_000, 10_000_000_000)], cores=1)
+    assert out[0]["mean_rss_bytes"] == pytest.approx((101 + 102 + 103 + 104) / 4)
+    assert out[0]["mean_cpu_util"] == pytest.approx(0.5)
+    assert out[1]["mean_rss_bytes"] == pytest.approx(sum(range(105, 111)) / 6)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_covers_a_known_ratio() -> None:
+    rng = np.random.default_rng(1)
+    covered = 0
+    trials = 40
+    for seed in range(trials):
+        base = rng.lognormal(3.0, 0.4, 80)
+        slow = rng.lognormal(3.0, 0.4, 80) * 1.5  # true median ratio 1.5
+        r = sig.bootstrap_ratio(slow, base, 50, seed=seed, resamples=2000)
+        covered += r["ci_low"] <= 1.5 <= r["ci_high"]
+    assert covered >= 0.85 * trials  # a 95% interval: nearly always
+
+
+def test_verdict_in_words() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.lognormal(3.0, 0.2, 100)
+    faster = sig.bootstrap_ratio(base * 0.6, base, seed=0, resamples=2000)
+    p = sig.mann_whitney(base * 0.6, base)
+    assert sig.verdict(faster, p) == "faster" and faster["ci_high"] < 1
+    same = rng.lognormal(3.0, 0.2, 100)
+    r = sig.bootstrap_ratio(same, base, seed=0, resamples=2000)
+    assert sig.verdict(r, sig.mann_whitney(same, base)) == "no significant difference"
+    rate = sig.bootstrap_rate_ratio([10] * 20, [2.0] * 20, [10] * 20, [1.0] * 20, resamples=500)
+    assert rate["value"] == pytest.approx(0.5)
+    across = sig.across_runs([1.0, 1.2, 1.1])
+    assert across["ci_low"] < 1.1 < across["ci_high"] and across["n"] == 3
+
+
+# ---- cost ----------------------------------------------------------------------------------------
+
+
+def test_cost_numbers_can_be_checked_by_hand() -> None:
+    cost = CostModel(cost_per_hour=3.6, energy_price_kwh=0.36)
+    out = derive(
+        cost, duration_s=100.0, output_tokens=1000, energy_j=400.0, tracked_wall_s=200.0, quality=0.5
+    )
+    # mean power 2 W over the 100 s span = 200 J; hardware 3.6/h x 100 s = 0.1; energy 200 J = 0.02 (USD)
+    assert out["inputs"]["span_energy_j"] == pytest.approx(200.0)
+    assert out["per_million_output_tokens"] == pytest.approx((0.1 + 200 / 3.6e6 * 0.36) / 1000 * 1e6)
+    assert out["tokens_per_joule"] == pytest.approx(5.0)
+    # 0.5 x 10 tok/s / (3.6 USD/h x 0.2 J/token)
+    assert out["efficiency"] == pytest.approx(0.5 * 10 / (3.6 * 0.2))
+    assert "J/output token" in out["efficiency_units"]
+
+
+# ---- recommendation ------------------------------------------------------------------------------
+
+
+def _run(name: str, p99: float, rss_gb: float, quality: float, tok_s: float, price: float,
+         build_s: float = 0.0) -> RunReport:  # fmt: skip
+    run = RunReport(variant=name)
+    run.latency_ms.p99 = p99
+    run.resources = Resources(peak_rss_bytes=int(rss_gb * 2**30))
+    run.quality_vs_standard = QualityVsStandard(standard="fp32", ratio=quality)
+    run.throughput.output_tokens_per_s = tok_s
+    run.throughput.qps = tok_s / 50
+    run.cost = Cost(per_million_output_tokens=price, inputs={"currency": "USD"})
+    run.backend = {"device": "cpu", "built": {"build_s": build_s}}
+    return run
+
+
+def test_recommendation_picks_the_cheapest_that_fits_and_says_why_the_others_fail() -> None:
+    runs = [
+        _run("fp32", p99=1000, rss_gb=1.5, quality=1.0, tok_s=100, price=0.50),
+        _run("int8", p99=1800, rss_gb=0.8, quality=0.93, tok_s=60, price=0.40),
+        _run("drop", p99=600, rss_gb=0.9, quality=0.80, tok_s=180, price=0.20),
+        _run("distilled", p99=650, rss_gb=0.9, quality=0.96, tok_s=170, price=0.25, build_s=900),
+    ]
+    edge = recommend(runs, "fp32", PROFILES["edge"])
+    assert edge["variant"] == "distilled"
+    assert "peak memory" in edge["reasons"]["fp32"] and "budget" in edge["reasons"]["fp32"]
+    assert "quality 80.0%" in edge["reasons"]["drop"]
+    assert "cheapest" in edge["reasons"]["distilled"] and "0.25" in edge["reasons"]["distilled"]
+    cloud = recommend(runs, "fp32", PROFILES["cloud"])
+    assert cloud["variant"] == "fp32"  # the only one at 99% quality
+    assert "build time 900 s > budget 600 s" in cloud["reasons"]["distilled"]
+    latency = recommend(runs, "fp32", PROFILES["latency"])
+    assert latency["variant"] == "distilled" and "P99 latency 1,800 ms" in latency["reasons"]["int8"]
+    batch = recommend(runs, "fp32", PROFILES["batch"])
+    assert batch["variant"] == "distilled" and "output tokens/s" in batch["reasons"]["int8"]
+    none = recommend(runs, "fp32", Scenario(name="x", p99_latency_ms=100))
+    assert none["variant"] is None and all("P99" in why for why in none["reasons"].values())
+    failed = RunReport(variant="onnx", status="failed", error="no kernel")
+    assert "did not run: no kernel" in recommend([*runs, failed], "fp32", PROFILES["edge"])["reasons"]["onnx"]
+
+
+# ---- diagnosis -----------------------------------------------------------------------------------
+
+
+def test_diagnosis_finds_a_planted_slow_operator_family(tiny_model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from variantbench.analysis.diagnosis import explain, profile_decoder
+    from variantbench.backends.engine import LlamaDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    base = profile_decoder(LlamaDecoder(model), prompt_len=32, steps=4)
+    slow = LlamaDecoder(model)
+    plain = slow._rms_norm
+
+    def slow_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # a planted slow norm
+        for _ in range(40):
+            torch.rms_norm(x, (x.shape[-1],), eps=1e-6)
+        return plain(x, weight)
+
+    slow._rms_norm = slow_norm
+    diag = profile_decoder(slow, prompt_len=32, steps=4)
+    assert max(diag["op_share"], key=diag["op_share"].get) == "norm"
+    assert diag["op_ms"]["norm"] > 5 * base["op_ms"]["norm"]
+    assert math.isclose(sum(diag["op_share"].values()), 1.0, abs_tol=0.01)
+    text = explain("slow", diag, "fp32", base, decode_ratio=0.5, prefill_ratio=None)
+    assert "in norm" in text and "2.00x slower" in text and "rms_norm" in text
