@@ -1,5 +1,5 @@
-"""Trackers: context managers that measure something beside latency and always stop cleanly."""
+"""Trackers: context managers that measure beside a run and always clean up."""
 
-from variantbench.trackers.memory import RssTracker
+from variantbench.trackers.resources import ResourceTracker
 
-__all__ = ["RssTracker"]
+__all__ = ["ResourceTracker"]
