@@ -1,0 +1,1 @@
+"""Serving variants: continuous batching, scheduling, routing, the OpenAI-compatible server."""
