@@ -120,3 +120,20 @@ def test_gguf_recipes_end_the_chain_and_need_llama_architecture(tmp_path: Path) 
     )
     with pytest.raises(UserError, match="Llama-architecture"):
         write_gguf(tmp_path, tmp_path / "out.gguf")
+
+
+def test_build_command_exports_engine_variants(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VARIANTBENCH_CACHE": str(tmp_path), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "variantbench", "build", "gguf-q4_0", "--model", str(tiny_model_dir)],
+                          capture_output=True, text=True, env=env, check=False, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert "gguf-q4_0:" in proc.stderr and "MB ->" in proc.stderr
+    listing = subprocess.run([sys.executable, "-m", "variantbench", "variants"], capture_output=True, text=True,
+                             env=env, check=False, timeout=120)  # fmt: skip
+    assert (
+        "gguf-q4_0" in listing.stdout and "gguf-f32" in listing.stdout
+    )  # the quantized file and its f32 source

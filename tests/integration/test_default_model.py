@@ -46,3 +46,15 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     assert sum(t["queries"] for t in fp32["per_task"].values()) == 3
     outputs = [json.loads(line)["output"] for line in (out / "queries.jsonl").read_text().splitlines()]
     assert len(outputs) == 6 and all(o.strip() for o in outputs)
+    # the decision on the real model: profiles, cost, a cold start, a recommendation per scenario
+    for run in (fp32, int8):
+        assert run["diagnosis"]["decode_step_ms"] > 0 and run["diagnosis"]["op_share"]["matmul"] > 0.1
+        assert run["diagnosis"]["achieved_gbps"] > 0 and run["cost"]["per_million_output_tokens"] > 0
+        assert run["resources"]["startup_cold_s"] > 0
+    if int8["speed"]["decode_tokens_per_s"] < fp32["speed"]["decode_tokens_per_s"]:
+        assert (
+            "int8: decode" in int8["diagnosis"]["summary"]
+            and "slower than fp32" in int8["diagnosis"]["summary"]
+        )
+    assert set(report["recommendations"]) == {"edge", "cloud", "latency", "batch"}
+    assert "## Summary" in (out / "report.md").read_text()
