@@ -98,3 +98,67 @@ def test_rows_left_behind_by_finished_requests_are_compacted_away(decoder) -> No
         run_step()
     assert got["b"] == _alone(decoder, [3, 4, 5, 6], 14)
     assert got["c"] == _alone(decoder, [9, 8, 7, 6, 5, 4, 3, 2], 15)
+
+
+# ---- scheduling ----------------------------------------------------------------------------------
+
+MS = 1_000_000
+
+
+def _ticket(key: str, priority: int, at_ms: float, deadline_ms: float | None = None, new: int = 16):  # noqa: ANN202
+    from variantbench.serving.scheduler import Ticket
+
+    return Ticket(key=key, priority=priority, arrival_ns=int(at_ms * MS), prompt_tokens=100, max_new=new,
+                  deadline_ns=int(deadline_ms * MS) if deadline_ms is not None else None)  # fmt: skip
+
+
+def test_priority_order_holds_under_a_backlog_and_aging_prevents_starvation() -> None:
+    from variantbench.serving.scheduler import Scheduler
+
+    s = Scheduler(aging_ms=1000)
+    for i, prio in enumerate([2, 0, 1, 0, 2, 1]):
+        s.submit(_ticket(f"r{i}-p{prio}", prio, at_ms=i), now_ns=i * MS)
+    order = [s.pop(10 * MS).key for _ in range(6)]
+    assert order == ["r1-p0", "r3-p0", "r2-p1", "r5-p1", "r0-p2", "r4-p2"]  # by priority, then arrival
+    # a low-priority request that has waited long enough goes before a fresh urgent one
+    s.submit(_ticket("old-p3", 3, at_ms=0), now_ns=0)
+    s.submit(_ticket("new-p0", 0, at_ms=2500), now_ns=2500 * MS)
+    assert s.pop(2500 * MS).key == "new-p0"  # after 2.5 s the old one is at 3 - 2.5 = 0.5, still behind
+    s.submit(_ticket("new2-p0", 0, at_ms=4100), now_ns=4100 * MS)
+    assert s.pop(4100 * MS).key == "old-p3"  # after 4.1 s its effective priority is -1.1 < 0
+
+
+def test_a_full_queue_rejects_with_429_and_a_hopeless_deadline_with_503() -> None:
+    from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler
+
+    s = Scheduler(default=QueuePolicy(max_queue=2), policies={0: QueuePolicy(max_queue=5)}, max_batch=4)
+    s.submit(_ticket("a", 1, 0), 0)
+    s.submit(_ticket("b", 1, 0), 0)
+    with pytest.raises(Rejected) as err:
+        s.submit(_ticket("c", 1, 0), 0)
+    assert err.value.status == 429 and err.value.retry_after_s >= 1
+    s.submit(_ticket("d", 0, 0), 0)  # another level has its own room
+    for batch, seconds in [(1, 0.011), (2, 0.012), (4, 0.014), (8, 0.018)]:
+        s.cost.observe(batch, seconds)
+    s.cost.observe_prefill(100, 0.05)
+    assert s.cost.a == pytest.approx(0.001) and s.cost.b == pytest.approx(0.010)
+    # 100 prompt tokens (50 ms) + 63 steps at ~13 ms: ~0.87 s; a 200 ms deadline cannot be met
+    with pytest.raises(Rejected) as err:
+        s.submit(_ticket("e", 0, 0, deadline_ms=200, new=64), 0)
+    assert err.value.status == 503 and "deadline" in str(err.value)
+    s.submit(_ticket("f", 0, 0, deadline_ms=5000, new=64), 0)  # a reachable one is admitted
+
+
+def test_queue_timeout_rejects_or_delays_by_policy() -> None:
+    from variantbench.serving.scheduler import QueuePolicy, Scheduler
+
+    s = Scheduler(
+        policies={0: QueuePolicy(timeout_ms=100), 1: QueuePolicy(timeout_ms=100, on_timeout="delay")}
+    )
+    s.submit(_ticket("x", 0, 0), 0)
+    s.submit(_ticket("y", 1, 0), 0)
+    s.submit(_ticket("z", 1, 50), 50 * MS)
+    expired = s.expire(150 * MS)
+    assert [t.key for t, _ in expired] == ["x"] and "queue timeout" in expired[0][1]
+    assert s.depth() == 2 and s.pop(150 * MS).key == "z"  # y was sent to the back of its level
+    assert s.remove("y") is not None and s.depth() == 0

@@ -1,0 +1,188 @@
+"""Admission and order: priority queue with aging, per-priority queue policy, and a learned step cost.
+
+* Priority: an integer, lower first (vLLM's field). Aging: a waiting request's effective priority
+  falls by one level every ``aging_ms``, so a stream of urgent requests cannot starve the others.
+  Ties go to the earlier arrival.
+* Queue policy per priority level (Triton's shape): a maximum queue size (a full queue rejects:
+  HTTP 429 with Retry-After) and a timeout (a request waiting longer is rejected, or, with
+  ``on_timeout="delay"``, kept but sent to the back of its level).
+* Cost model: decode step time = a x batch size + b, fitted by least squares over recent steps
+  (BentoML's adaptive batching fits the same shape); with a request's prompt and output length it
+  estimates when the request would finish, so one that cannot meet its deadline is shed at once
+  (HTTP 503 with Retry-After) instead of wasting a batch slot.
+
+Pure Python and a clock passed in: the tests drive it with their own time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+import itertools
+from typing import Any
+
+
+class Rejected(Exception):  # noqa: N818 - an answer, not a failure
+    """The request is not admitted: ``status`` 429 (overload) or 503 (cannot meet its deadline)."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class QueuePolicy:
+    max_queue: int = 256  # per priority level
+    timeout_ms: float | None = None  # longest wait in the queue
+    on_timeout: str = "reject"  # "reject" | "delay"
+
+
+@dataclass
+class Ticket:
+    key: Any
+    priority: int
+    arrival_ns: int
+    prompt_tokens: int
+    max_new: int
+    deadline_ns: int | None = None  # absolute, same clock as arrival_ns
+    payload: Any = None
+    seq: int = 0
+    requeued_ns: int | None = None  # a delayed request's new place in line
+
+
+@dataclass
+class StepCost:
+    """time(n) = a x n + b for a decode step at batch n, least squares over the last 200 steps."""
+
+    prefill_s_per_token: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=200))
+    a: float = 0.0
+    b: float = 0.0
+
+    def observe(self, batch: int, seconds: float) -> None:
+        self.samples.append((batch, seconds))
+        n = len(self.samples)
+        xs = [x for x, _ in self.samples]
+        ys = [y for _, y in self.samples]
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            self.a = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / var)
+            self.b = max(0.0, my - self.a * mx)
+        else:  # every step at one batch size: its mean time
+            self.a, self.b = 0.0, my
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            rate = seconds / tokens
+            self.prefill_s_per_token = (
+                rate if not self.prefill_s_per_token else 0.8 * self.prefill_s_per_token + 0.2 * rate
+            )
+
+    def step_s(self, batch: int) -> float:
+        return self.a * batch + self.b
+
+    def request_s(self, prompt_tokens: int, max_new: int, batch: int) -> float:
+        """Expected service time of one request running in a batch of ``batch``."""
+        return prompt_tokens * self.prefill_s_per_token + max(0, max_new - 1) * self.step_s(batch)
+
+    @property
+    def known(self) -> bool:
+        return len(self.samples) >= 3
+
+
+class Scheduler:
+    def __init__(self, policies: dict[int, QueuePolicy] | None = None, default: QueuePolicy | None = None,
+                 aging_ms: float = 1000.0, max_batch: int = 32) -> None:  # fmt: skip
+        self.policies = policies or {}
+        self.default = default or QueuePolicy()
+        self.aging_ns = aging_ms * 1e6
+        self.max_batch = max_batch
+        self.cost = StepCost()
+        self._waiting: list[Ticket] = []  # order is decided at pop time (aging changes it)
+        self._counts: dict[int, int] = {}
+        self._seq = itertools.count()
+
+    def policy(self, priority: int) -> QueuePolicy:
+        return self.policies.get(priority, self.default)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def depth(self, priority: int | None = None) -> int:
+        return len(self._waiting) if priority is None else self._counts.get(priority, 0)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def submit(self, ticket: Ticket, now_ns: int, running: int = 0) -> None:
+        """Queue the request, or raise Rejected (429 when its level is full, 503 if it cannot make it)."""
+        pol = self.policy(ticket.priority)
+        if self._counts.get(ticket.priority, 0) >= pol.max_queue:
+            raise Rejected(429, f"queue for priority {ticket.priority} is full ({pol.max_queue})",
+                           self.retry_after_s(running))  # fmt: skip
+        if ticket.deadline_ns is not None and self.cost.known:
+            ahead = sum(1 for t in self._waiting if t.priority <= ticket.priority)
+            batch = min(self.max_batch, running + ahead + 1)
+            # requests ahead beyond a full batch must finish first; each full round costs one request's time
+            rounds = (running + ahead) // self.max_batch
+            expected = (rounds + 1) * self.cost.request_s(ticket.prompt_tokens, ticket.max_new, batch)
+            if now_ns + expected * 1e9 > ticket.deadline_ns:
+                raise Rejected(503, f"cannot meet its deadline: expected {expected * 1e3:.0f} ms of queue and "
+                               f"compute, {max(0, (ticket.deadline_ns - now_ns) / 1e6):.0f} ms left",
+                               self.retry_after_s(running))  # fmt: skip
+        ticket.seq = next(self._seq)
+        self._waiting.append(ticket)
+        self._counts[ticket.priority] = self._counts.get(ticket.priority, 0) + 1
+
+    def retry_after_s(self, running: int) -> float:
+        """When the queue is likely to have room: one typical request's time, at least a second."""
+        if not self.cost.known:
+            return 1.0
+        return max(1.0, self.cost.request_s(0, 64, max(1, running)))
+
+    # ---- order ----------------------------------------------------------------------------------
+
+    def _effective(self, t: Ticket, now_ns: int) -> tuple[float, int, int]:
+        since = t.requeued_ns if t.requeued_ns is not None else t.arrival_ns
+        return (t.priority - (now_ns - since) / self.aging_ns, since, t.seq)  # a delayed one ages anew
+
+    def expire(self, now_ns: int) -> list[tuple[Ticket, str]]:
+        """Requests past their level's queue timeout or their own deadline: rejected (or delayed)."""
+        out: list[tuple[Ticket, str]] = []
+        keep: list[Ticket] = []
+        for t in self._waiting:
+            pol = self.policy(t.priority)
+            waited_ms = (now_ns - (t.requeued_ns or t.arrival_ns)) / 1e6
+            if t.deadline_ns is not None and now_ns > t.deadline_ns:
+                out.append((t, "deadline passed in the queue"))
+            elif pol.timeout_ms is not None and waited_ms > pol.timeout_ms:
+                if pol.on_timeout == "delay":
+                    t.requeued_ns = now_ns
+                    keep.append(t)
+                else:
+                    out.append((t, f"waited {waited_ms:.0f} ms > the queue timeout {pol.timeout_ms:.0f} ms"))
+            else:
+                keep.append(t)
+        self._waiting = keep
+        for t, _ in out:
+            self._counts[t.priority] -= 1
+        return out
+
+    def pop(self, now_ns: int) -> Ticket | None:
+        """The request to run next: lowest aged priority, then earliest arrival (or requeue)."""
+        if not self._waiting:
+            return None
+        best = min(range(len(self._waiting)), key=lambda i: self._effective(self._waiting[i], now_ns))
+        t = self._waiting.pop(best)
+        self._counts[t.priority] -= 1
+        return t
+
+    def remove(self, key: Any) -> Ticket | None:
+        """Drop a queued request (its client went away)."""
+        for i, t in enumerate(self._waiting):
+            if t.key == key:
+                self._waiting.pop(i)
+                self._counts[t.priority] -= 1
+                return t
+        return None
