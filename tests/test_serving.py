@@ -162,3 +162,79 @@ def test_queue_timeout_rejects_or_delays_by_policy() -> None:
     assert [t.key for t, _ in expired] == ["x"] and "queue timeout" in expired[0][1]
     assert s.depth() == 2 and s.pop(150 * MS).key == "z"  # y was sent to the back of its level
     assert s.remove("y") is not None and s.depth() == 0
+
+
+# ---- the batch worker ----------------------------------------------------------------------------
+
+
+async def _collect(events) -> tuple[list[int], str]:  # noqa: ANN001
+    tokens: list[int] = []
+    while True:
+        event = await events.get()
+        if event[0] == "token":
+            tokens.append(event[1])
+        elif event[0] == "done":
+            return tokens, event[1]
+        else:
+            return tokens, f"error {event[1]}: {event[2]}"
+
+
+def test_worker_batches_concurrent_requests_and_matches_solo_decoding(decoder) -> None:  # noqa: ANN001
+    import asyncio
+
+    from variantbench.serving.worker import BatchWorker
+
+    prompts = {f"q{i}": ([10 + i, 20 + 2 * i, 30, 40 + i][: 2 + i % 3], 6 + i) for i in range(6)}
+    want = {k: _alone(decoder, p, n) for k, (p, n) in prompts.items()}
+
+    async def main() -> dict[str, list[int]]:
+        worker = BatchWorker(decoder, stop_ids=(), max_batch_size=8, max_len=64).start()
+        try:
+            # idle: a lone request starts at once and runs alone
+            alone, _ = await _collect(worker.submit("solo", [5, 6, 7], 4))
+            assert alone == _alone(decoder, [5, 6, 7], 4) and set(worker.batch_sizes) == {1}
+            worker.batch_sizes.clear()
+            queues = {k: worker.submit(k, p, n) for k, (p, n) in prompts.items()}
+            results = await asyncio.gather(*(_collect(q) for q in queues.values()))
+            assert max(worker.batch_sizes) > 1  # concurrent requests shared decode steps
+            return {k: toks for k, (toks, _) in zip(queues, results, strict=True)}
+        finally:
+            worker.drain_and_stop()
+
+    assert asyncio.run(main()) == want
+
+
+def test_worker_serves_priorities_in_order_and_frees_cancelled_slots(decoder) -> None:  # noqa: ANN001
+    import asyncio
+
+    from variantbench.serving.scheduler import Rejected
+    from variantbench.serving.worker import BatchWorker
+
+    async def main() -> None:
+        worker = BatchWorker(decoder, stop_ids=(), max_batch_size=1, max_queue=2, max_len=64).start()
+        try:
+            finished: list[str] = []
+
+            async def run(key: str, events) -> None:  # noqa: ANN001
+                await _collect(events)
+                finished.append(key)
+
+            long = asyncio.ensure_future(run("long", worker.submit("long", [1, 2, 3], 40)))
+            await asyncio.sleep(0.05)  # it is running: the others queue behind it
+            low = asyncio.ensure_future(run("low", worker.submit("low", [4, 5], 3, priority=5)))
+            high = asyncio.ensure_future(run("high", worker.submit("high", [6, 7], 3, priority=0)))
+            with pytest.raises(Rejected) as err:  # priority 0's queue holds 2: a third is turned away
+                worker.submit("more", [8], 3, priority=0), worker.submit("more2", [8], 3, priority=0)
+            assert err.value.status == 429
+            await asyncio.gather(long, low, high)
+            assert finished == ["long", "high", "low"]
+            # a cancelled request frees its slot at the next step; the next one runs
+            events = worker.submit("gone", [9, 9], 50)
+            await events.get()
+            worker.cancel("gone")
+            tokens, _ = await _collect(worker.submit("after", [3, 3], 3))
+            assert len(tokens) == 3 and worker.batch.active == 0
+        finally:
+            worker.drain_and_stop()
+
+    asyncio.run(main())

@@ -135,6 +135,11 @@ class Scheduler:
         self._waiting.append(ticket)
         self._counts[ticket.priority] = self._counts.get(ticket.priority, 0) + 1
 
+    def requeue(self, ticket: Ticket) -> None:
+        """Put back a request that was taken but could not start (no KV-cache room): no admission checks."""
+        self._waiting.append(ticket)
+        self._counts[ticket.priority] = self._counts.get(ticket.priority, 0) + 1
+
     def retry_after_s(self, running: int) -> float:
         """When the queue is likely to have room: one typical request's time, at least a second."""
         if not self.cost.known:

@@ -1,0 +1,188 @@
+"""One variant's executor: a thread that admits queued requests into the continuous batch and steps it.
+
+The event loop side calls ``submit`` (admission: may raise ``Rejected``) and reads the request's
+``asyncio.Queue`` of events: ``("token", id, t_ns)`` per token, then ``("done", reason)`` or
+``("error", message)``. ``cancel`` (client disconnected) frees the request's queue entry or batch
+slot at the next step boundary.
+
+Never delays work when the model is idle: the thread sleeps on a condition that ``submit`` signals,
+so a lone request starts at once. While a batch runs, newcomers join between decode steps
+(continuous batching), so a long generation does not hold short ones hostage. Each step's time is
+fed to the scheduler's cost model, which sheds requests that cannot meet their deadline.
+``max_batch_size=1`` turns batching off (the baseline the serving benchmark compares against).
+A failing step fails only the requests in that batch; the thread goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+import threading
+import time
+from typing import Any
+
+from variantbench.serving.continuous import ContinuousBatch, NoRoom
+from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket
+
+
+@dataclass
+class _Live:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: bool = False
+
+
+class BatchWorker:
+    def __init__(self, decoder: Any, stop_ids: tuple[int, ...], max_batch_size: int = 32, max_queue: int = 256,
+                 max_len: int = 4096, aging_ms: float = 1000.0, queue_timeout_ms: float | None = None,
+                 name: str = "variant") -> None:  # fmt: skip
+        self.name = name
+        self.batch = ContinuousBatch(decoder, max_batch=max_batch_size, max_len=max_len, stop_ids=stop_ids)
+        self.scheduler = Scheduler(default=QueuePolicy(max_queue=max_queue, timeout_ms=queue_timeout_ms),
+                                   aging_ms=aging_ms, max_batch=max_batch_size)  # fmt: skip
+        self.max_len = max_len
+        self._live: dict[Any, _Live] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
+        self.batch_sizes: list[int] = []  # size of every decode step (for /metrics and the tests)
+        self.step_listeners: list[Any] = []  # callables(batch_size, seconds) after each step
+
+    def start(self) -> BatchWorker:
+        self._thread.start()
+        return self
+
+    # ---- event-loop side ------------------------------------------------------------------------
+
+    def submit(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+               deadline_s: float | None = None) -> asyncio.Queue:  # fmt: skip
+        """Queue a request from the event loop; its events arrive on the returned queue."""
+        if self._draining:
+            raise Rejected(503, "the server is shutting down", 1.0)
+        if not self.batch.fits(len(prompt), max_new):
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + {max_new} new exceeds the context of {self.max_len}"
+            )
+        now = time.perf_counter_ns()
+        ticket = Ticket(key=key, priority=priority, arrival_ns=now, prompt_tokens=len(prompt), max_new=max_new,
+                        deadline_ns=now + int(deadline_s * 1e9) if deadline_s else None, payload=prompt)  # fmt: skip
+        live = _Live(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cond:
+            self.scheduler.submit(ticket, now, running=self.batch.active)  # may raise Rejected
+            self._live[key] = live
+            self._cond.notify()
+        return live.events
+
+    def cancel(self, key: Any) -> None:
+        with self._cond:
+            live = self._live.get(key)
+            if live is not None:
+                live.cancelled = True
+            self._cond.notify()
+
+    def queue_depth(self) -> int:
+        return len(self.scheduler)
+
+    def drain_and_stop(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests, finish the admitted ones, stop the thread."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._live:
+                    break
+            time.sleep(0.01)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    # ---- thread side ----------------------------------------------------------------------------
+
+    def _emit(self, key: Any, event: tuple) -> None:
+        live = self._live.get(key)
+        if live is not None:
+            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+
+    def _finish(self, key: Any, event: tuple) -> None:
+        """Free the request's slot, then tell its client (who may look at the batch at once)."""
+        with self._cond:
+            live = self._live.pop(key, None)
+        self.batch.leave(key)
+        if live is not None:
+            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+
+    def _take(self) -> tuple[list[Ticket], list[tuple[Ticket, str]], list[Any]] | None:
+        """Under the lock: wait for work; then (tickets to admit, expired, cancelled keys), or None to stop."""
+        with self._cond:
+            while not self._stopping and self.batch.active == 0 and not len(self.scheduler):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            cancelled = [key for key, live in self._live.items() if live.cancelled]
+            for key in cancelled:  # disconnected clients free their queue entry or batch slot
+                self.scheduler.remove(key)
+                self._live.pop(key, None)
+            now = time.perf_counter_ns()
+            expired = self.scheduler.expire(now)
+            tickets = []
+            while self.batch.active + len(tickets) < self.batch.max_batch:
+                ticket = self.scheduler.pop(now)
+                if ticket is None:
+                    break
+                tickets.append(ticket)
+            return tickets, expired, cancelled
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        for i, ticket in enumerate(tickets):
+            t0 = time.perf_counter_ns()
+            try:
+                first, done = self.batch.join(ticket.key, ticket.payload, ticket.max_new)
+            except NoRoom:  # back in line, in their places, until running requests finish
+                with self._cond:
+                    for t in tickets[i:]:
+                        self.scheduler.requeue(t)
+                return
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self._finish(ticket.key, ("error", 500, f"{type(exc).__name__}: {exc}"))
+                continue
+            now = time.perf_counter_ns()
+            self.scheduler.cost.observe_prefill(ticket.prompt_tokens, (now - t0) / 1e9)
+            self._emit(ticket.key, ("token", first, now, (t0 - ticket.arrival_ns) / 1e9))
+            if done:
+                self._finish(ticket.key, ("done", "stop" if first in self.batch.stop_ids else "length"))
+
+    def _run(self) -> None:
+        while True:
+            work = self._take()
+            if work is None:
+                for key in list(self._live):
+                    self._finish(key, ("error", 503, "the server stopped"))
+                return
+            tickets, expired, cancelled = work
+            for key in cancelled:
+                self.batch.leave(key)
+            for ticket, why in expired:
+                self._finish(ticket.key, ("error", 503, why))
+            self._admit(tickets)
+            if self.batch.active == 0:
+                continue
+            size = self.batch.active
+            t0 = time.perf_counter()
+            try:
+                produced = self.batch.step()
+            except Exception as exc:  # noqa: BLE001 - a failing step fails only this batch
+                for slot in list(self.batch.slots):
+                    self._finish(slot.key, ("error", 500, f"{type(exc).__name__}: {exc}"))
+                continue
+            seconds = time.perf_counter() - t0
+            self.scheduler.cost.observe(size, seconds)
+            self.batch_sizes.append(size)
+            for listener in self.step_listeners:
+                listener(size, seconds)
+            now = time.perf_counter_ns()
+            for key, token, done in produced:
+                self._emit(key, ("token", token, now, None))
+                if done:
+                    self._finish(key, ("done", "stop" if token in self.batch.stop_ids else "length"))
