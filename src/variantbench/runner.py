@@ -235,8 +235,22 @@ def _find_peak(
     return (best or last), trials
 
 
+def _quiet_libraries() -> None:
+    """Keep library chatter off the user's console: torchao's missing-CUDA-kernel notices and torch's
+    pytree deprecation lines are logged at WARNING on every import and say nothing about the run."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _worker(job: VariantJob, channel: Any) -> None:
+    _quiet_libraries()
     try:
+        if not job.endpoint:  # a warm process: libraries loaded, so startup_warm_s is the model's own
+            import torch  # noqa: F401
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
         payload = run_variant(job, channel.put)
         channel.put(("done", payload))
     except UserError as exc:

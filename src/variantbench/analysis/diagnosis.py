@@ -16,8 +16,12 @@ achieved GFLOP/s (2 x parameters x tokens/s) and GB/s (weight bytes x tokens/s) 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+import contextlib
+import os
 import shutil
 import subprocess
+import sys
 from typing import Any
 
 FAMILIES = ("matmul", "attention", "quantize/dequantize", "norm", "other")
@@ -89,6 +93,21 @@ def _shares(times: dict[str, float]) -> dict[str, float]:
     return {f: round(t / total, 4) for f, t in times.items()} if total > 0 else {}
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Kineto writes a "profiler_start/stop" line to the process's stderr per profile (C++, not logging)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def profile_decoder(decoder: Any, prompt_len: int = 128, steps: int = 8) -> dict[str, Any]:
     """Profile one prefill of ``prompt_len`` tokens and ``steps`` decode steps at batch 1."""
     import torch
@@ -102,7 +121,7 @@ def profile_decoder(decoder: Any, prompt_len: int = 128, steps: int = 8) -> dict
         activities = [ProfilerActivity.CPU]
         if decoder.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
+        with _native_stderr_silenced(), profile(activities=activities) as prof:
             decoder.generate(ids, steps + 1)
         events = prof.events()
     finally:
@@ -185,8 +204,6 @@ def perf_cache_misses(pid: int, work: Any) -> str:
 def diagnose_backend(backend: Any, param_bytes: int, parameters: int | None, counters: str,
                      sizes: tuple[int, ...] = (1, 8, 32), new: int = 16) -> dict[str, Any]:  # fmt: skip
     """Batch efficiency for any backend, plus the operator profile where the engine is ours."""
-    import os
-
     out: dict[str, Any] = {"batch_tokens_per_s": {}}
     holder: dict[str, float] = {}
     for size in sizes:

@@ -98,8 +98,9 @@ def cold_start(model_dir: str, variant: str, details: dict[str, Any], threads: i
 
 def _child(argv: list[str]) -> None:
     model_dir, variant, threads, device = argv[0], argv[1], int(argv[2]), argv[3]
-    from variantbench.runner import make_backend
+    from variantbench.runner import _quiet_libraries, make_backend
 
+    _quiet_libraries()
     backend = make_backend(model_dir, variant, device=device, threads=threads or None)
     backend.load()  # ends with one generated token
     print("READY", flush=True)

@@ -277,7 +277,14 @@ class LlamaDecoder:
         return self.lm_head(self._rms_norm(hidden, self.final_norm)).float()
 
     def _region(self, name: str) -> contextlib.AbstractContextManager:
-        return torch.profiler.record_function(name) if self.profile_regions else contextlib.nullcontext()
+        """A labelled region: a torch.profiler range when profiling (the diagnosis), and on CUDA always
+        an NVTX range too, so ``nsys profile variantbench run ...`` shows prefill and decode steps."""
+        stack = contextlib.ExitStack()
+        if self.profile_regions:
+            stack.enter_context(torch.profiler.record_function(name))
+        if self.device.type == "cuda":
+            stack.enter_context(torch.cuda.nvtx.range(name))
+        return stack
 
     def _cache_views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) views of the cache storage, [B, kv_heads, positions, head_dim]."""

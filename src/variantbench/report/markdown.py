@@ -36,8 +36,8 @@ def summary_lines(report: Report) -> list[str]:
     lines = ["## Summary", ""]
     for name, rec in report.recommendations.items():
         lines.append(f"- **{name}** ({rec.get('description', '')}): {rec.get('summary', '')}")
-    diag = [r.diagnosis.summary for r in report.runs if r.diagnosis and r.diagnosis.summary
-            and "slower" in r.diagnosis.summary]  # fmt: skip
+    diag = [r.diagnosis.summary for r in report.runs if r.diagnosis and " slower than " in r.diagnosis.summary
+            and "not slower" not in r.diagnosis.summary]  # fmt: skip
     if diag:
         lines += ["", "Where a variant is slower than the standard:", ""]
         lines += [f"- {d}" for d in diag]
