@@ -8,6 +8,7 @@ result per request carrying that request's own timestamps, describes itself, and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import time
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -75,3 +76,28 @@ def encode_request(tok: Any, request: GenerationRequest) -> list[int]:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tok(text, add_special_tokens=False)["input_ids"])
     return list(tok(request.prompt)["input_ids"])
+
+
+def failed_result(request_id: str, exc: BaseException, start_ns: int) -> GenerationResult:
+    """A request that failed: an error record, timed from its start (errors are data)."""
+    return GenerationResult(request_id, status="error", error=f"{type(exc).__name__}: {exc}", start_ns=start_ns,
+                            end_ns=time.perf_counter_ns())  # fmt: skip
+
+
+def sequential_result(
+    request_id: str, tok: Any, ids: list[int], tokens: list[int], token_ns: list[int], start_ns: int,
+    stop_ids: tuple[int, ...], engine_timings: dict[str, float] | None = None,
+) -> GenerationResult:  # fmt: skip
+    """The result of a request generated token by token: text without stop tokens, each token's time."""
+    shown = [t for t in tokens if t not in stop_ids]
+    return GenerationResult(
+        request_id,
+        text=tok.decode(shown, skip_special_tokens=True).strip(),
+        input_tokens=len(ids),
+        output_tokens=len(tokens),
+        start_ns=start_ns,
+        first_token_ns=token_ns[0] if token_ns else None,
+        token_ns=token_ns,
+        end_ns=token_ns[-1] if token_ns else time.perf_counter_ns(),
+        engine_timings=engine_timings,
+    )

@@ -20,7 +20,14 @@ from pathlib import Path
 import time
 from typing import Any
 
-from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo, encode_request
+from variantbench.backends.base import (
+    GenerationRequest,
+    GenerationResult,
+    LoadInfo,
+    encode_request,
+    failed_result,
+    sequential_result,
+)
 from variantbench.errors import UserError
 
 
@@ -177,24 +184,11 @@ class LlamaCppBackend:
                     break
             perf = llama_cpp.llama_perf_context(llm.ctx)
         except Exception as exc:  # noqa: BLE001 - a failed request is data
-            return GenerationResult(req.request_id, status="error", error=f"{type(exc).__name__}: {exc}",
-                                    start_ns=start, end_ns=time.perf_counter_ns())  # fmt: skip
-        shown = [t for t in tokens if t not in self._stop_ids]
-        return GenerationResult(
-            req.request_id,
-            text=self._tokenizer.decode(shown, skip_special_tokens=True).strip(),
-            input_tokens=len(ids),
-            output_tokens=len(tokens),
-            start_ns=start,
-            first_token_ns=token_ns[0] if token_ns else None,
-            token_ns=token_ns,
-            end_ns=token_ns[-1] if token_ns else time.perf_counter_ns(),
-            engine_timings={
-                "prompt_eval_ms": perf.t_p_eval_ms,
-                "prompt_tokens": perf.n_p_eval,
-                "eval_ms": perf.t_eval_ms,
-                "eval_tokens": perf.n_eval,
-            },
+            return failed_result(req.request_id, exc, start)
+        timings = {"prompt_eval_ms": perf.t_p_eval_ms, "prompt_tokens": perf.n_p_eval, "eval_ms": perf.t_eval_ms,
+                   "eval_tokens": perf.n_eval}  # fmt: skip
+        return sequential_result(
+            req.request_id, self._tokenizer, ids, tokens, token_ns, start, self._stop_ids, timings
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -13,7 +13,14 @@ from pathlib import Path
 import time
 from typing import Any
 
-from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo, encode_request
+from variantbench.backends.base import (
+    GenerationRequest,
+    GenerationResult,
+    LoadInfo,
+    encode_request,
+    failed_result,
+    sequential_result,
+)
 from variantbench.errors import UserError
 
 
@@ -136,18 +143,9 @@ class OrtGenAIBackend:
                 if tokens[-1] in self._stop_ids:
                     break
         except Exception as exc:  # noqa: BLE001 - a failed request is data
-            return GenerationResult(req.request_id, status="error", error=f"{type(exc).__name__}: {exc}",
-                                    start_ns=start, end_ns=time.perf_counter_ns())  # fmt: skip
-        shown = [t for t in tokens if t not in self._stop_ids]
-        return GenerationResult(
-            req.request_id,
-            text=self._tokenizer.decode(shown, skip_special_tokens=True).strip(),
-            input_tokens=len(ids),
-            output_tokens=len(tokens),
-            start_ns=start,
-            first_token_ns=token_ns[0] if token_ns else None,
-            token_ns=token_ns,
-            end_ns=token_ns[-1] if token_ns else time.perf_counter_ns(),
+            return failed_result(req.request_id, exc, start)
+        return sequential_result(
+            req.request_id, self._tokenizer, ids, tokens, token_ns, start, self._stop_ids
         )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
