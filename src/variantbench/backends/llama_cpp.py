@@ -28,7 +28,6 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
-from variantbench.errors import UserError
 
 
 class LlamaCppBackend:
@@ -80,20 +79,11 @@ class LlamaCppBackend:
         t0 = time.perf_counter_ns()
         from transformers import AutoTokenizer
 
-        from variantbench.variants import parse_variant
-        from variantbench.variants.base import engine_of, split_chain
-        from variantbench.variants.build import materialize, variants_root
+        from variantbench.variants.build import engine_source, variants_root
         from variantbench.variants.gguf import GgufVariant, gguf_file_type, require_llama_cpp
 
         llama_cpp = require_llama_cpp()
-        recipes = parse_variant(self.name)
-        engine = engine_of(recipes)
-        if not isinstance(engine, GgufVariant):
-            raise UserError(f"{self.name} is not a gguf-* variant")
-        build, _ = split_chain(recipes)
-        source = self.model_dir
-        if build:
-            source = str(materialize(self.model_dir, build, seed=self.build_seed, say=self.status))
+        engine, source = engine_source(self.model_dir, self.name, GgufVariant, self.build_seed, self.status)
         if self.gguf_file:
             path = Path(self.gguf_file)
         else:

@@ -21,7 +21,6 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
-from variantbench.errors import UserError
 
 
 class OrtGenAIBackend:
@@ -45,22 +44,13 @@ class OrtGenAIBackend:
         t0 = time.perf_counter_ns()
         from transformers import AutoTokenizer
 
-        from variantbench.variants import parse_variant
-        from variantbench.variants.base import engine_of, split_chain
-        from variantbench.variants.build import materialize, variants_root
+        from variantbench.variants.build import engine_source, variants_root
         from variantbench.variants.onnx import OnnxExport, require_genai
 
         require_genai()
         import onnxruntime_genai as og
 
-        recipes = parse_variant(self.name)
-        engine = engine_of(recipes)
-        if not isinstance(engine, OnnxExport):
-            raise UserError(f"{self.name} is not an ONNX variant")
-        build, _ = split_chain(recipes)
-        source = self.model_dir
-        if build:
-            source = str(materialize(self.model_dir, build, seed=self.build_seed, say=self.status))
+        engine, source = engine_source(self.model_dir, self.name, OnnxExport, self.build_seed, self.status)
         folder = engine.artifact(source, variants_root(), say=self.status)
         config = og.Config(str(folder))
         if self.threads:

@@ -262,3 +262,22 @@ def remove_entries(entries: list[tuple[Path, int, str]]) -> int:
             path.unlink(missing_ok=True)
         freed += size
     return freed
+
+
+def engine_source(
+    base_dir: str, variant: str, expected: type[Recipe], seed: int = 0, say: Any = None
+) -> tuple[Any, str]:
+    """(the engine recipe ending ``variant``, the folder it exports from): the base, or the built model.
+
+    Shared by every engine backend (ONNX Runtime GenAI, llama.cpp); ``expected`` is the engine's recipe class.
+    """
+    from variantbench.errors import UserError
+    from variantbench.variants.base import engine_of, parse_variant, split_chain
+
+    recipes = parse_variant(variant)
+    engine = engine_of(recipes)
+    if not isinstance(engine, expected):
+        raise UserError(f"{variant} is not a variant of this engine ({expected.__name__})")
+    build, _ = split_chain(recipes)
+    source = str(materialize(base_dir, build, seed=seed, say=say)) if build else str(base_dir)
+    return engine, source
