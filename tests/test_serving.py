@@ -182,13 +182,14 @@ async def _collect(events) -> tuple[list[int], str]:  # noqa: ANN001
 def test_worker_batches_concurrent_requests_and_matches_solo_decoding(decoder) -> None:  # noqa: ANN001
     import asyncio
 
+    from variantbench.serving.continuous import ContinuousBatch
     from variantbench.serving.worker import BatchWorker
 
     prompts = {f"q{i}": ([10 + i, 20 + 2 * i, 30, 40 + i][: 2 + i % 3], 6 + i) for i in range(6)}
     want = {k: _alone(decoder, p, n) for k, (p, n) in prompts.items()}
 
     async def main() -> dict[str, list[int]]:
-        worker = BatchWorker(decoder, stop_ids=(), max_batch_size=8, max_len=64).start()
+        worker = BatchWorker(ContinuousBatch(decoder, max_batch=8, max_len=64)).start()
         try:
             # idle: a lone request starts at once and runs alone
             alone, _ = await _collect(worker.submit("solo", [5, 6, 7], 4))
@@ -207,11 +208,12 @@ def test_worker_batches_concurrent_requests_and_matches_solo_decoding(decoder) -
 def test_worker_serves_priorities_in_order_and_frees_cancelled_slots(decoder) -> None:  # noqa: ANN001
     import asyncio
 
+    from variantbench.serving.continuous import ContinuousBatch
     from variantbench.serving.scheduler import Rejected
     from variantbench.serving.worker import BatchWorker
 
     async def main() -> None:
-        worker = BatchWorker(decoder, stop_ids=(), max_batch_size=1, max_queue=2, max_len=64).start()
+        worker = BatchWorker(ContinuousBatch(decoder, max_batch=1, max_len=64), max_queue=2).start()
         try:
             finished: list[str] = []
 

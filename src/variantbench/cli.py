@@ -440,6 +440,198 @@ def build(
         _fail(str(exc))
 
 
+def _calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:
+    from variantbench.workloads import build_synthetic, parse_lengths
+    from variantbench.workloads.base import tokenizer_counter
+
+    try:
+        lengths = parse_lengths(input_lengths)
+    except ValueError as exc:
+        raise UserError(f"--input-lengths: {exc}") from None
+    workload = build_synthetic(
+        n, seed, lengths=lengths, counter=tokenizer_counter(model_dir), counted_with=model_dir
+    )
+    return list(workload.samples)
+
+
+def _router_pair(router: str) -> tuple[str, str]:
+    light, sep, standard = router.partition(",")
+    if not sep or not light.strip() or not standard.strip():
+        raise UserError(f"--router takes LIGHT,STANDARD (e.g. int8,fp32), got {router!r}")
+    return light.strip(), standard.strip()
+
+
+@app.command()
+def serve(
+    variants: Annotated[
+        str, typer.Option(help="Comma-separated variants to serve (the request's model field)")
+    ] = ("fp32,int8"),
+    model: Annotated[
+        str | None,
+        typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="interface to bind; other than 127.0.0.1 only when you mean it")
+    ] = ("127.0.0.1"),
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    max_batch_size: Annotated[int, typer.Option(help="most requests decoding together per variant")] = 32,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="longest a decode step is held open for an expected newcomer (adaptive)")
+    ] = 10.0,
+    max_queue: Annotated[int, typer.Option(help="waiting requests per priority level before 429")] = 256,
+    queue_timeout_ms: Annotated[
+        float | None, typer.Option(help="longest wait in the queue before 503 (default: none)")
+    ] = None,
+    max_len: Annotated[int, typer.Option(help="context per request (prompt + output tokens)")] = 2048,
+    router: Annotated[
+        str | None, typer.Option(help="tiered router over LIGHT,STANDARD variants, e.g. int8,fp32")
+    ] = None,
+    router_name: Annotated[str, typer.Option(help="the model name that reaches the router")] = "tiered",
+    standard_share: Annotated[
+        float, typer.Option(help="router: target share of requests to the standard")
+    ] = 0.2,
+    calibration_prompts: Annotated[int, typer.Option(help="router: synthetic prompts to calibrate on")] = 32,
+    input_lengths: Annotated[
+        str, typer.Option(help="router calibration prompts' input tokens (as in 'run')")
+    ] = "uniform:128-2048",
+    seed: Annotated[int, typer.Option(help="seed of the calibration prompts")] = 0,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
+) -> None:
+    """Serve variants behind an OpenAI-compatible API with continuous batching and priorities."""
+    from variantbench.models import parse_model, prepare_model
+    from variantbench.serving.app import make_app
+    from variantbench.serving.host import ServeOptions, build_router, close_models, load_models, run_server
+
+    console = Console(stderr=True)
+
+    def say(message: str) -> None:
+        console.print(f"[dim]{message}[/dim]", highlight=False)
+
+    names = [v.strip() for v in variants.split(",") if v.strip()]
+    try:
+        if not names:
+            raise UserError("--variants is empty")
+        if len(set(names)) != len(names):
+            raise UserError(f"--variants names a variant twice: {variants}")
+        if not 0 < port < 65536:
+            raise UserError(f"--port must be in 1-65535, got {port}")
+        pair = _router_pair(router) if router else None
+        if pair and not 0.0 <= standard_share <= 1.0:
+            raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
+        from variantbench.variants import parse_variant
+
+        for name in names:
+            parse_variant(name)
+        options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
+                               queue_timeout_ms=queue_timeout_ms, max_len=max_len)  # fmt: skip
+        base = str(prepare_model(parse_model(model), status=say))
+        models = load_models(base, names, options, device=device, threads=threads, say=say)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    try:
+        tiered = None
+        if pair:
+            prompts = _calibration_samples(base, calibration_prompts, seed, input_lengths)
+            tiered = build_router(
+                models, pair[0], pair[1], standard_share, prompts, name=router_name, say=say
+            )
+            c = tiered.calibration
+            say(f"router {router_name!r}: {pair[0]} below complexity {c.threshold:.3f}, else {pair[1]} "
+                f"(calibrated on {c.prompts} prompts for a {c.share:g} standard share)")  # fmt: skip
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            console.print(f"[yellow]binding {host}: reachable from other machines[/yellow]", highlight=False)
+        served = ", ".join([*names, *([router_name] if pair else [])])
+        console.print(
+            f"serving {served} on http://{host}:{port}/v1 (Ctrl-C drains and stops)", highlight=False
+        )
+        run_server(make_app(models, tiered), host, port)
+    except UserError as exc:
+        _fail(str(exc))
+    finally:
+        close_models(models)
+
+
+@app.command()
+def route(
+    router: Annotated[str, typer.Option(help="LIGHT,STANDARD variants, e.g. int8,fp32")] = "int8,fp32",
+    model: Annotated[
+        str | None, typer.Option(help="Hugging Face folder or .gguf file (default: bundled)")
+    ] = None,
+    standard_share: Annotated[float, typer.Option(help="target share of requests to the standard")] = 0.2,
+    tasks: Annotated[int, typer.Option(help="synthetic samples: half calibrate, half are held out")] = 40,
+    input_lengths: Annotated[
+        str, typer.Option(help="synthetic input tokens (as in 'run')")
+    ] = "uniform:128-1024",
+    seed: Annotated[int, typer.Option(help="seed of the samples and of the split")] = 0,
+    cost_per_hour: Annotated[float, typer.Option(help="hardware cost per device-hour")] = 0.10,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
+) -> None:
+    """Calibrate the tiered router and compare it with always-light and always-standard on held-out samples."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from variantbench.backends.base import GenerationRequest, encode_request
+    from variantbench.models import parse_model, prepare_model
+    from variantbench.serving.host import ServeOptions, build_router, close_models, load_models
+    from variantbench.serving.router import evaluate, split
+
+    console = Console(stderr=True)
+    out = Console()
+
+    def say(message: str) -> None:
+        console.print(f"[dim]{message}[/dim]", highlight=False)
+
+    models: dict = {}
+    try:
+        light, standard = _router_pair(router)
+        if tasks < 4:
+            raise UserError(f"--tasks must be at least 4 (half calibrate, half are held out), got {tasks}")
+        if not 0.0 <= standard_share <= 1.0:
+            raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
+        base = str(prepare_model(parse_model(model), status=say))
+        samples = _calibration_samples(base, tasks, seed, input_lengths)
+        models = load_models(
+            base, [light, standard], ServeOptions(max_batch_size=1), threads=threads, say=say
+        )
+        cal_idx, held_idx = split(len(samples), seed)
+        tiered = build_router(models, light, standard, standard_share, [samples[i] for i in cal_idx], say=say)
+        tok = models[light].tokenizer
+
+        def encode(s) -> list[int]:  # noqa: ANN001
+            return encode_request(tok, GenerationRequest(s.sample_id, prompt=s.prompt, messages=s.messages))
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:  # fmt: skip
+            task = progress.add_task("answering held-out samples with both variants", total=len(held_idx))
+            result = evaluate(models[light].backend, models[standard].backend, [samples[i] for i in held_idx],
+                              tiered, encode, cost_per_hour=cost_per_hour, seed=seed,
+                              progress=lambda d, t: progress.update(task, completed=d))  # fmt: skip
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    finally:
+        close_models(models)
+    table = Table(title=f"tiered router {light} -> {standard}: {result['held_out']} held-out samples, "
+                        f"target standard share {standard_share:g}, realized {result['realized_share']:.2f}")  # fmt: skip
+    for col in (
+        "policy",
+        "standard share",
+        "quality (composite)",
+        "compute s / request",
+        "cost / 1k requests",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, p in result["policies"].items():
+        q = "n/a" if p["quality"] is None else f"{p['quality']:.3f}"
+        table.add_row(name, f"{p['standard_share']:.2f}", q, f"{p['compute_s_per_request']:.3f}",
+                      f"{p['cost_per_1k_requests']:.4f}")  # fmt: skip
+    out.print(table)
+    out.print(f"routing overhead: {result['routing_s_per_request'] * 1e3:.1f} ms per request "
+              f"(light-model prefill of the prompt's last {tiered.window} tokens), included in the router's cost")  # fmt: skip
+
+
 def main() -> None:
     try:
         app()

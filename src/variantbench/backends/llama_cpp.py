@@ -121,6 +121,19 @@ class LlamaCppBackend:
         self._tokenizer = None
         gc.collect()
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def serving_batch(self, max_batch: int, max_len: int) -> Any:
+        """Continuous batching on llama.cpp (``variantbench serve``): up to ``max_batch`` sequences per decode."""
+        from variantbench.serving.llama_cpp_batch import LlamaCppBatch
+
+        if self._llm is None:
+            raise RuntimeError("serving_batch() before load()")
+        return LlamaCppBatch(self._llm, max_batch=max_batch, max_len=min(max_len, self.n_ctx),
+                             stop_ids=self._stop_ids, threads=self._threads())  # fmt: skip
+
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -135,6 +135,21 @@ class TorchBackend:
         self._tokenizer = None
         gc.collect()
 
+    # ---- serving --------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def serving_batch(self, max_batch: int, max_len: int) -> Any:
+        """A continuous batch over this variant's decoder (``variantbench serve``)."""
+        from variantbench.serving.continuous import ContinuousBatch
+
+        if self._decoder is None:
+            raise RuntimeError("serving_batch() before load()")
+        limit = min(max_len, self._max_positions or max_len)
+        return ContinuousBatch(self._decoder, max_batch=max_batch, max_len=limit, stop_ids=self._stop_ids)
+
     # ---- generation -----------------------------------------------------------------------------
 
     def _first_token_id(self) -> int:

@@ -106,17 +106,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(port: int, **app_kw: Any) -> uvicorn.Config:
-    return uvicorn.Config(make_app(**app_kw), host="127.0.0.1", port=port, log_level="error", access_log=False,
-                          http="httptools", lifespan="on", backlog=4096)  # fmt: skip
+def _config(port: int, app: Any = None, host: str = "127.0.0.1", **app_kw: Any) -> uvicorn.Config:
+    return uvicorn.Config(app or make_app(**app_kw), host=host, port=port, log_level="error", access_log=False,
+                          http="httptools", lifespan="on", backlog=4096,
+                          timeout_graceful_shutdown=30)  # fmt: skip
 
 
 class ThreadServer:
-    """The no-op server in a thread of this process (tests)."""
+    """An ASGI app (by default the no-op server) on uvicorn in a thread of this process (tests)."""
 
-    def __init__(self, **app_kw: Any) -> None:
+    def __init__(self, app: Any = None, **app_kw: Any) -> None:
         self.port = free_port()
-        self.server = uvicorn.Server(_config(self.port, **app_kw))
+        self.server = uvicorn.Server(_config(self.port, app, **app_kw))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -128,13 +129,15 @@ class ThreadServer:
         deadline = time.monotonic() + 10
         while not self.server.started:
             if time.monotonic() > deadline:
-                raise RuntimeError("no-op server did not start")
+                raise RuntimeError("server did not start")
+            if not self.thread.is_alive():
+                raise RuntimeError("server stopped while starting")
             time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=60)
 
 
 class ProcessServer:

@@ -9,7 +9,7 @@ Never delays work when the model is idle: the thread sleeps on a condition that 
 so a lone request starts at once. While a batch runs, newcomers join between decode steps
 (continuous batching), so a long generation does not hold short ones hostage. Each step's time is
 fed to the scheduler's cost model, which sheds requests that cannot meet their deadline.
-``max_batch_size=1`` turns batching off (the baseline the serving benchmark compares against).
+A batch of ``max_batch=1`` turns batching off (the baseline the serving benchmark compares against).
 A failing step fails only the requests in that batch; the thread goes on.
 """
 
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from variantbench.serving.continuous import ContinuousBatch, NoRoom
+from variantbench.serving.continuous import NoRoom
 from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket
 
 
@@ -33,21 +33,27 @@ class _Live:
 
 
 class BatchWorker:
-    def __init__(self, decoder: Any, stop_ids: tuple[int, ...], max_batch_size: int = 32, max_queue: int = 256,
-                 max_len: int = 4096, aging_ms: float = 1000.0, queue_timeout_ms: float | None = None,
+    def __init__(self, batch: Any, max_queue: int = 256, aging_ms: float = 1000.0,
+                 queue_timeout_ms: float | None = None, max_wait_ms: float = 10.0,
                  name: str = "variant") -> None:  # fmt: skip
+        """``batch``: a ``ContinuousBatch`` (our torch engine) or a ``LlamaCppBatch``, or anything with
+        their join / step / leave contract."""
         self.name = name
-        self.batch = ContinuousBatch(decoder, max_batch=max_batch_size, max_len=max_len, stop_ids=stop_ids)
+        self.batch = batch
         self.scheduler = Scheduler(default=QueuePolicy(max_queue=max_queue, timeout_ms=queue_timeout_ms),
-                                   aging_ms=aging_ms, max_batch=max_batch_size)  # fmt: skip
-        self.max_len = max_len
+                                   aging_ms=aging_ms, max_batch=batch.max_batch)  # fmt: skip
+        self.max_len = batch.max_len
+        self.max_wait_s = max(0.0, max_wait_ms) / 1e3
         self._live: dict[Any, _Live] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._draining = False
         self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
-        self.batch_sizes: list[int] = []  # size of every decode step (for /metrics and the tests)
+        self.batch_sizes: list[int] = []  # size of every decode step (for the tests)
+        self.holds: list[float] = []  # every hold-open, in seconds (for the tests)
         self.step_listeners: list[Any] = []  # callables(batch_size, seconds) after each step
+        self._last_arrival: float | None = None
+        self._gap_s: float | None = None  # moving average of the gaps between arrivals
 
     def start(self) -> BatchWorker:
         self._thread.start()
@@ -71,6 +77,11 @@ class BatchWorker:
         with self._cond:
             self.scheduler.submit(ticket, now, running=self.batch.active)  # may raise Rejected
             self._live[key] = live
+            t = now / 1e9
+            if self._last_arrival is not None:
+                gap = t - self._last_arrival
+                self._gap_s = gap if self._gap_s is None else 0.8 * self._gap_s + 0.2 * gap
+            self._last_arrival = t
             self._cond.notify()
         return live.events
 
@@ -153,7 +164,31 @@ class BatchWorker:
             if done:
                 self._finish(ticket.key, ("done", "stop" if first in self.batch.stop_ids else "length"))
 
+    def hold_s(self, running: int) -> float:
+        """How long to hold the next decode step open for an expected newcomer (0: step now).
+
+        With continuous batching a newcomer joins at the next step boundary anyway, so holding can
+        only win one step: it pays when the next arrival is expected (mean gap of recent arrivals)
+        sooner than one step takes, i.e. when the ``running`` rows together lose less waiting
+        (running x gap) than the newcomer gains (one step at the fitted cost a x (n+1) + b), and
+        never longer than ``max_wait_ms``. An idle model is never held: a lone request starts at once.
+        """
+        if running == 0 or running >= self.batch.max_batch or not self.scheduler.cost.known:
+            return 0.0
+        gap = self._gap_s
+        if gap is None or self._last_arrival is None:
+            return 0.0
+        # expected wait to the next arrival from now (memoryless: the mean gap, less what has passed
+        # only when that is already overdue, in which case arrivals have stopped and we do not wait)
+        since = time.perf_counter() - self._last_arrival
+        if since > 2 * gap:
+            return 0.0
+        if gap > self.max_wait_s or running * gap >= self.scheduler.cost.step_s(running + 1):
+            return 0.0
+        return gap
+
     def _run(self) -> None:
+        held = False
         while True:
             work = self._take()
             if work is None:
@@ -168,6 +203,16 @@ class BatchWorker:
             self._admit(tickets)
             if self.batch.active == 0:
                 continue
+            if not held:
+                hold = self.hold_s(self.batch.active)
+                if hold > 0:
+                    with self._cond:
+                        if not len(self.scheduler) and not self._stopping:
+                            self._cond.wait(hold)  # a newcomer's submit wakes it
+                    self.holds.append(hold)
+                    held = True
+                    continue  # admit whoever came, then step
+            held = False
             size = self.batch.active
             t0 = time.perf_counter()
             try:

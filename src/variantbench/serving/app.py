@@ -1,0 +1,596 @@
+"""The OpenAI-compatible HTTP server: starlette routes over one ``BatchWorker`` per variant.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as SSE ending in
+``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``/health`` and Prometheus ``/metrics``.
+The ``model`` field picks a variant, or the tiered router by its name. Beyond OpenAI's fields a
+request may carry ``priority`` (integer, lower first, vLLM's field) and ``deadline_ms`` (from
+arrival; a request that cannot meet it is refused at once with 503 rather than served late).
+
+Every refusal is an OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``)
+with a 4xx status, or 429/503 with ``Retry-After`` under overload; only a failing model step gives
+500, and then only for the requests in that step. Decoding is greedy whatever ``temperature`` says
+(the benchmark's outputs must be reproducible); the ``x-variantbench-decoding: greedy`` header says so.
+
+No global state: ``make_app`` builds everything (the Prometheus registry included) per app, so tests
+and benchmarks can run several servers in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+import itertools
+import json
+import time
+from typing import Any
+import uuid
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from variantbench.backends.base import GenerationRequest, encode_request
+from variantbench.serving.scheduler import Rejected
+from variantbench.serving.worker import BatchWorker
+
+MAX_STOP_STRINGS = 4
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_TOKENS = 512  # OpenAI's chat default is "until the context ends"; we cap it
+# fields we do not implement, and the values that ask for nothing (clients often send those)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"}),
+}  # fmt: skip
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", retry_after_s: float | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass
+class ServedModel:
+    """One variant behind the server: its loaded backend, tokenizer and executor."""
+
+    name: str
+    backend: Any
+    tokenizer: Any
+    worker: BatchWorker
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        return self.worker.max_len
+
+
+class Metrics:
+    """Prometheus metrics of one app, in its own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.requests = Counter("variantbench_requests", "Requests by model, endpoint and HTTP status",
+                                ["model", "endpoint", "status"], registry=r)  # fmt: skip
+        self.queue_depth = Gauge("variantbench_queue_depth", "Requests waiting", ["model"], registry=r)
+        self.running = Gauge("variantbench_running_requests", "Requests in the batch", ["model"], registry=r)
+        self.batch_size = Histogram("variantbench_batch_size", "Rows in each decode step", ["model"],
+                                    buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), registry=r)  # fmt: skip
+        self.step = Histogram("variantbench_step_seconds", "Compute time of each decode step", ["model"],
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)  # fmt: skip
+        self.queue_wait = Histogram("variantbench_queue_wait_seconds", "Arrival to admission into the batch",
+                                    ["model"], buckets=latency, registry=r)  # fmt: skip
+        self.compute = Histogram("variantbench_compute_seconds", "Admission to the last token", ["model"],
+                                 buckets=latency, registry=r)  # fmt: skip
+        self.ttft = Histogram("variantbench_ttft_seconds", "Arrival to the first token", ["model"],
+                              buckets=latency, registry=r)  # fmt: skip
+        self.itl = Histogram("variantbench_inter_token_seconds", "Gap between consecutive tokens", ["model"],
+                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)  # fmt: skip
+        self.routed = Counter("variantbench_router_decisions", "Tiered router decisions", ["router", "target"],
+                              registry=r)  # fmt: skip
+
+    def watch(self, model: ServedModel) -> None:
+        w = model.worker
+        self.queue_depth.labels(model.name).set_function(w.queue_depth)
+        self.running.labels(model.name).set_function(lambda: w.batch.active)
+        sizes, steps = self.batch_size.labels(model.name), self.step.labels(model.name)
+
+        def on_step(size: int, seconds: float) -> None:
+            sizes.observe(size)
+            steps.observe(seconds)
+
+        w.step_listeners.append(on_step)
+
+
+# ---- request parsing -----------------------------------------------------------------------------
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int | None = None,
+         high: int | None = None) -> int | None:  # fmt: skip
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name)
+    if low is not None and value < low:
+        raise ApiError(400, f"'{name}' must be at least {low}, got {value}", name)
+    if high is not None and value > high:
+        raise ApiError(400, f"'{name}' must be at most {high}, got {value}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(value)[:40]}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+        raise ApiError(400, f"'{name}' must be {bound}, got {value}", name)
+    return float(value)
+
+
+@dataclass
+class Parsed:
+    model: str
+    ids: list[int]
+    max_new: int
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    priority: int
+    deadline_s: float | None
+
+
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(items)
+
+
+def _prompt_ids(body: dict[str, Any], tokenizer: Any, chat: bool) -> list[int]:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        clean = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise ApiError(400, "only text content parts are supported", "messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
+            clean.append({"role": m["role"], "content": content})
+        try:
+            return encode_request(tokenizer, GenerationRequest("chat", messages=tuple(clean)))
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
+            raise ApiError(
+                400, f"cannot apply the chat template: {exc}".splitlines()[0], "messages"
+            ) from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        vocab = len(tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ApiError(400, f"'prompt' token ids must lie in [0, {vocab})", "prompt")
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+
+
+# ---- streaming text -------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Token ids in, text deltas out: holds back an incomplete UTF-8 character and any tail that may
+    be the start of a stop string; stops at the first stop string (which is not returned)."""
+
+    def __init__(self, tokenizer: Any, stop_ids: frozenset[int], stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop_ids, self.stop = tokenizer, stop_ids, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+        self.stopped = False
+
+    def _hold(self, text: str) -> int:
+        """Characters at the end of ``text`` that might begin a stop string."""
+        most = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    most = max(most, k)
+                    break
+        return most
+
+    def push(self, token: int, final: bool = False) -> str:
+        if token not in self.stop_ids:
+            self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+        ready = len(self.text)
+        if not (final or self.stopped):
+            if self.text.endswith("\ufffd"):
+                return ""
+            ready -= self._hold(self.text)
+        if ready <= self.sent:
+            return ""
+        delta = self.text[self.sent : ready]
+        self.sent = ready
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self.sent :]
+        self.sent = len(self.text)
+        return delta
+
+
+# ---- the app ----------------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(
+        self, models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0
+    ) -> None:
+        self.models = models
+        self.router = router
+        self.metrics = Metrics()
+        self.drain_timeout_s = drain_timeout_s
+        self.created = int(time.time())
+        self._ids = itertools.count()
+        for m in models.values():
+            self.metrics.watch(m)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _model(self, name: Any) -> ServedModel | None:
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'model' is required", "model")
+        if self.router is not None and name == self.router.name:
+            return None
+        if name not in self.models:
+            known = [*self.models, *([self.router.name] if self.router else [])]
+            raise ApiError(404, f"The model '{name}' does not exist; served: {', '.join(known)}", "model",
+                           "model_not_found")  # fmt: skip
+        return self.models[name]
+
+    async def _parse(self, request: Request, chat: bool) -> tuple[Parsed, ServedModel, str | None]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        target = self._model(body.get("model"))
+        _int(body, "n", 1, 1, 1)
+        _number(body, "temperature", 0.0, 2.0)
+        _number(body, "top_p", 0.0, 1.0)
+        _number(body, "frequency_penalty", -2.0, 2.0)
+        _number(body, "presence_penalty", -2.0, 2.0)
+        for name, allowed in UNSUPPORTED.items():
+            if body.get(name) not in allowed:
+                raise ApiError(400, f"'{name}' is not supported by this server", name)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be true or false", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object", "stream_options")
+        name = (
+            "max_completion_tokens"
+            if chat and body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
+        routed: str | None = None
+        if target is None:  # the tiered router: score with the light model, then pick
+            tokenizer = self.models[self.router.light].tokenizer
+            ids = _prompt_ids(body, tokenizer, chat)
+            routed, _ = await asyncio.to_thread(self.router.route, ids)
+            self.metrics.routed.labels(self.router.name, routed).inc()
+            target = self.models[routed]
+            if target.tokenizer is not tokenizer:
+                ids = _prompt_ids(body, target.tokenizer, chat)
+        else:
+            ids = _prompt_ids(body, target.tokenizer, chat)
+        default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
+        max_new = _int(body, name, None, 1, None)
+        if max_new is None:
+            max_new = max(1, min(default, target.max_len - len(ids)))
+        if len(ids) + max_new > target.max_len:
+            raise ApiError(400, f"This model's maximum context length is {target.max_len} tokens. However, you "
+                           f"requested {len(ids) + max_new} tokens ({len(ids)} in the prompt, {max_new} for "
+                           f"the completion).", name if len(ids) < target.max_len else "prompt",
+                           "context_length_exceeded")  # fmt: skip
+        deadline = _number(body, "deadline_ms", 1.0, None)
+        parsed = Parsed(
+            model=body["model"], ids=ids, max_new=max_new, stream=stream,
+            include_usage=bool(options.get("include_usage")), stop=_stop_strings(body),
+            priority=_int(body, "priority", 0, -1000, 1000) or 0,
+            deadline_s=deadline / 1e3 if deadline is not None else None,
+        )  # fmt: skip
+        return parsed, target, routed
+
+    async def _next(self, events: asyncio.Queue, request: Request) -> tuple:
+        """The next worker event; gives up (None) when the client has gone away meanwhile."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return ("gone",)
+
+    # ---- endpoints ----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": list(self.models)})
+
+    async def list_models(self, request: Request) -> Response:
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "variantbench",
+                 "max_model_len": m.max_len, "max_batch_size": m.worker.batch.max_batch} for name, m in self.models.items()]  # fmt: skip
+        if self.router is not None:
+            data.append({"id": self.router.name, "object": "model", "created": self.created,
+                         "owned_by": "variantbench", "router": self.router.describe()})  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        label = "-"
+        try:
+            parsed, target, routed = await self._parse(request, chat)
+            label = target.name
+            key = next(self._ids)
+            arrival = time.perf_counter_ns()
+            try:
+                events = target.worker.submit(
+                    key, parsed.ids, parsed.max_new, parsed.priority, parsed.deadline_s
+                )
+            except Rejected as exc:
+                kind = "rate_limit_exceeded" if exc.status == 429 else "server_overloaded"
+                raise ApiError(exc.status, str(exc), None, kind, kind, exc.retry_after_s) from None
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "prompt", "context_length_exceeded") from None
+            first = await self._next(events, request)  # errors before the first token keep their status
+            if first[0] == "gone":
+                target.worker.cancel(key)
+                self.metrics.requests.labels(label, endpoint, "499").inc()
+                return Response(status_code=499)
+            if first[0] == "error":
+                status = first[1]
+                raise ApiError(status, first[2], None, "server_overloaded" if status == 503 else "internal_error",
+                               "server_error", 1.0 if status == 503 else None)  # fmt: skip
+        except ApiError as exc:
+            self.metrics.requests.labels(label, endpoint, str(exc.status)).inc()
+            return exc.response()
+        run = _Run(self, target, parsed, key, arrival, chat, routed)
+        headers = {"x-variantbench-decoding": "greedy", "x-variantbench-model": target.name}
+        if parsed.stream:
+            return StreamingResponse(run.sse(first, events, request), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
+        return await run.whole(first, events, request, headers)
+
+
+class _Run:
+    """One admitted request: turns worker events into OpenAI chunks, and records its metrics."""
+
+    def __init__(self, server: Server, target: ServedModel, parsed: Parsed, key: int, arrival_ns: int,
+                 chat: bool, routed: str | None) -> None:  # fmt: skip
+        self.server, self.target, self.p, self.key = server, target, parsed, key
+        self.arrival_ns, self.chat, self.routed = arrival_ns, chat, routed
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.text = TextStream(target.tokenizer, target.worker.batch.stop_ids, parsed.stop)
+        self.completion_tokens = 0
+        self.finish: str | None = None
+        self.last_ns: int | None = None
+        self.admitted_ns: int | None = None
+        self.endpoint = "chat" if chat else "completions"
+
+    def _observe(self, event: tuple) -> str:
+        """Record one token event; return the text it adds."""
+        m, name = self.server.metrics, self.target.name
+        _, token, t_ns, queue_wait_s = event
+        if self.last_ns is None:
+            m.ttft.labels(name).observe((t_ns - self.arrival_ns) / 1e9)
+            if queue_wait_s is not None:
+                m.queue_wait.labels(name).observe(queue_wait_s)
+                self.admitted_ns = self.arrival_ns + int(queue_wait_s * 1e9)
+        else:
+            m.itl.labels(name).observe((t_ns - self.last_ns) / 1e9)
+        self.last_ns = t_ns
+        self.completion_tokens += 1
+        return self.text.push(token)
+
+    def _close(self, status: str) -> None:
+        m, name = self.server.metrics, self.target.name
+        if self.admitted_ns is not None and self.last_ns is not None:
+            m.compute.labels(name).observe((self.last_ns - self.admitted_ns) / 1e9)
+        m.requests.labels(name, self.endpoint, status).inc()
+
+    def _usage(self) -> dict[str, int]:
+        n_in = len(self.p.ids)
+        return {"prompt_tokens": n_in, "completion_tokens": self.completion_tokens,
+                "total_tokens": n_in + self.completion_tokens}  # fmt: skip
+
+    def _chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.p.model,
+            "choices": [choice],
+        }
+
+    async def _events(self, first: tuple, events: asyncio.Queue, request: Request):  # noqa: ANN202
+        """Text deltas until the end; sets ``finish``; raises ApiError on a worker error."""
+        event = first
+        while True:
+            if event[0] == "token":
+                delta = self._observe(event)
+                if self.text.stopped:  # a stop string: the request ends here
+                    self.server.models[self.target.name].worker.cancel(self.key)
+                    self.finish = "stop"
+                    yield delta
+                    return
+                if delta:
+                    yield delta
+            elif event[0] == "done":
+                self.finish = event[1]
+                tail = self.text.flush()
+                if tail:
+                    yield tail
+                return
+            elif event[0] == "error":
+                raise ApiError(event[1], event[2], None, "internal_error", "server_error")
+            elif event[0] == "gone":
+                raise ConnectionError("client went away")
+            event = await self.server._next(events, request)
+
+    async def whole(self, first: tuple, events: asyncio.Queue, request: Request, headers: dict) -> Response:
+        parts: list[str] = []
+        try:
+            async for delta in self._events(first, events, request):
+                parts.append(delta)
+        except ApiError as exc:
+            self._close(str(exc.status))
+            return exc.response()
+        except ConnectionError:
+            self.target.worker.cancel(self.key)
+            self._close("499")
+            return Response(status_code=499)
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.p.model, "choices": [choice], "usage": self._usage()}  # fmt: skip
+        if self.routed:
+            headers = {**headers, "x-variantbench-routed-to": self.routed}
+        self._close("200")
+        return JSONResponse(body, headers=headers)
+
+    async def sse(self, first: tuple, events: asyncio.Queue, request: Request):  # noqa: ANN201
+        status = "200"
+
+        def data(obj: Any) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        try:
+            if self.chat:
+                yield data(self._chunk(None, None, role=True))
+            async for delta in self._events(first, events, request):
+                if delta:
+                    yield data(self._chunk(delta, None))
+            yield data(self._chunk(None, self.finish))
+            if self.p.include_usage:
+                yield data({"id": self.id, "object": self._chunk(None, None)["object"], "created": self.created,
+                            "model": self.p.model, "choices": [], "usage": self._usage()})  # fmt: skip
+            yield b"data: [DONE]\n\n"
+        except ApiError as exc:  # the stream has begun: the error goes in the stream
+            status = str(exc.status)
+            yield data({"error": {"message": exc.message, "type": exc.kind, "param": None, "code": exc.code}})
+            yield b"data: [DONE]\n\n"
+        finally:  # normal end, error, or the client went away (cancelled or GeneratorExit)
+            if self.finish is None:
+                self.target.worker.cancel(self.key)  # free its queue entry or batch slot
+                if status == "200":
+                    status = "499"
+            self._close(status)
+
+
+def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0) -> Starlette:
+    """The ASGI app. Starting it starts the workers; shutting it down drains them."""
+    server = Server(models, router, drain_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):  # noqa: ANN202
+        for m in models.values():
+            if not m.worker._thread.is_alive():
+                m.worker.start()
+        try:
+            yield
+        finally:  # uvicorn has already waited for open connections (its graceful shutdown)
+            await asyncio.gather(*(asyncio.to_thread(m.worker.drain_and_stop, drain_timeout_s)
+                                   for m in models.values()))  # fmt: skip
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    app = Starlette(
+        routes=[
+            Route("/health", server.health, methods=["GET"]),
+            Route("/v1/models", server.list_models, methods=["GET"]),
+            Route("/metrics", server.prometheus, methods=["GET"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: not_allowed},
+    )
+    app.state.server = server
+    return app

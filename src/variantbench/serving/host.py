@@ -1,0 +1,112 @@
+"""Putting variants behind the server: load each, give it an executor, calibrate the router, run uvicorn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from variantbench.errors import UserError
+from variantbench.serving.app import ServedModel
+from variantbench.serving.worker import BatchWorker
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_batch_size: int = 32
+    max_wait_ms: float = 10.0
+    max_queue: int = 256
+    queue_timeout_ms: float | None = None
+    max_len: int = 2048
+    aging_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise UserError(f"--max-batch-size must be at least 1, got {self.max_batch_size}")
+        if self.max_wait_ms < 0:
+            raise UserError(f"--max-wait-ms must be at least 0, got {self.max_wait_ms}")
+        if self.max_queue < 1:
+            raise UserError(f"--max-queue must be at least 1, got {self.max_queue}")
+        if self.queue_timeout_ms is not None and self.queue_timeout_ms <= 0:
+            raise UserError(f"--queue-timeout-ms must be positive, got {self.queue_timeout_ms}")
+        if self.max_len < 8:
+            raise UserError(f"--max-len must be at least 8, got {self.max_len}")
+
+
+def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
+    """A loaded backend behind its own executor (not started: the app's lifespan starts it)."""
+    make_batch = getattr(backend, "serving_batch", None)
+    if make_batch is None:
+        raise UserError(f"{name}: its engine ({backend.info().get('backend', '?')}) cannot be served yet; "
+                        "serve torch or gguf-* variants")  # fmt: skip
+    batch = make_batch(options.max_batch_size, options.max_len)
+    worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
+                         queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms, name=name)  # fmt: skip
+    return ServedModel(name, backend, backend.tokenizer, worker, dict(backend.info()))
+
+
+def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, device: str = "cpu",
+                threads: int | None = None, say: Callable[[str], None] = lambda _m: None) -> dict[str, ServedModel]:  # fmt: skip
+    from variantbench.runner import make_backend
+
+    models: dict[str, ServedModel] = {}
+    try:
+        for name in variants:
+            backend = make_backend(model_dir, name, device=device, threads=threads)
+            if hasattr(backend, "status"):
+                backend.status = say
+            say(f"loading {name}")
+            info = backend.load()
+            models[name] = serve_model(name, backend, options)
+            say(f"{name}: ready in {info.startup_s:.1f} s")
+    except BaseException:
+        close_models(models)
+        raise
+    return models
+
+
+def close_models(models: dict[str, ServedModel]) -> None:
+    for m in models.values():
+        close = getattr(m.worker.batch, "close", None)
+        if close:
+            close()
+        m.backend.close()
+
+
+def build_router(models: dict[str, ServedModel], light: str, standard: str, share: float, prompts: Sequence[Any],
+                 name: str = "tiered", say: Callable[[str], None] = lambda _m: None) -> Any:  # fmt: skip
+    """Calibrate the tiered router's threshold on ``prompts`` (samples) with the light variant."""
+    from variantbench.backends.base import GenerationRequest, encode_request
+    from variantbench.serving.router import TieredRouter, calibrate, prompt_features
+
+    for role, v in (("light", light), ("standard", standard)):
+        if v not in models:
+            raise UserError(
+                f"router {role} variant {v!r} is not among the served variants: {', '.join(models)}"
+            )
+    if name in models:
+        raise UserError(f"router name {name!r} is also a variant's name")
+    lm = models[light]
+    log_probs = getattr(lm.backend, "token_log_probs", None)
+    if log_probs is None:
+        raise UserError(f"router light variant {light!r} cannot score prompts (no token log-probabilities)")
+    say(f"calibrating the router on {len(prompts)} prompts for a standard share of {share:g}")
+    feats = []
+    for s in prompts:
+        ids = encode_request(
+            lm.tokenizer, GenerationRequest(s.sample_id, prompt=s.prompt, messages=s.messages)
+        )
+        feats.append(prompt_features(log_probs, ids))
+    try:
+        cal = calibrate(feats, share)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return TieredRouter(light, standard, log_probs, cal, name=name)
+
+
+def run_server(app: Any, host: str, port: int) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http="httptools",
+                            lifespan="on", backlog=4096, timeout_graceful_shutdown=30)  # fmt: skip
+    uvicorn.Server(config).run()
