@@ -137,3 +137,51 @@ def test_build_command_exports_engine_variants(tiny_model_dir: Path, tmp_path: P
     assert (
         "gguf-q4_0" in listing.stdout and "gguf-f32" in listing.stdout
     )  # the quantized file and its f32 source
+
+
+def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
+    tiny_model_dir: Path, cache: Path, monkeypatch
+) -> None:
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.serving.continuous import NoRoom
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
+    backend.load()
+    from variantbench.backends.base import encode_request
+
+    tok = backend.tokenizer
+    texts = {f"p{i}": text for i, text in enumerate(PROMPTS + ["The river", "A mill"])}
+    prompts = {key: encode_request(tok, GenerationRequest(key, prompt=text)) for key, text in texts.items()}
+    # each alone, through the engine's own generate loop
+    want = {key: backend.generate([GenerationRequest(key, prompt=text, max_new_tokens=9)])[0].text
+            for key, text in texts.items()}  # fmt: skip
+    batch = backend.serving_batch(max_batch=3, max_len=64)
+    batch.stop_ids = frozenset()
+    got: dict[str, list[int]] = {}
+    pending = list(prompts)
+    sizes = []
+    while pending or batch.active:
+        if pending and batch.active < batch.max_batch:  # joins between steps, up to 3 at once
+            key = pending.pop(0)
+            got[key] = [batch.join(key, prompts[key], 9)[0]]
+        sizes.append(batch.active)
+        for key, token, done in batch.step():
+            got[key].append(token)
+            if done:
+                batch.leave(key)
+    assert max(sizes) == 3
+    for key, tokens in got.items():
+        assert len(tokens) == 9
+        stop = next((i for i, t in enumerate(tokens) if t in backend._stop_ids), len(tokens))
+        text = tok.decode(tokens[:stop], skip_special_tokens=True).strip()
+        assert text == want[key], key
+    small = backend.serving_batch(max_batch=2, max_len=64)
+    small.kv_tokens = 40  # two 20-token reservations fill it
+    small.join("a", list(range(3, 13)), 10)
+    small.join("b", list(range(3, 13)), 10)
+    with pytest.raises(NoRoom):
+        small.leave("b") or small.join("c", list(range(3, 33)), 10)
+    small.close()
+    batch.close()
+    backend.close()

@@ -1,0 +1,313 @@
+"""Goodput of four ways to serve the default model, driven by our harness's server scenario.
+
+    python benchmarks/serving.py [--p99-target-s 6] [--queries 40] [--start-rate 0.25] [--output-tokens 32]
+
+Systems, each its own process on 127.0.0.1, measured one after another with the same Poisson
+schedules (seeded), the same synthetic chat prompts and the same output cap:
+
+  (a) ``variantbench serve --variants fp32 --max-batch-size 1``   our server, batching off
+  (b) ``variantbench serve --variants fp32``                      our server, continuous batching (32)
+  (c) ``python -m llama_cpp.server`` on the model's own GGUF      llama.cpp's server, one request at a time
+  (d) ``variantbench serve --variants gguf-q4_1``                 our server on that same GGUF, batched
+
+(b)/(a) is what batching buys on one engine; (d)/(c) is the same comparison on llama.cpp, and
+(d)/(b) the engine's share. (c) and (d) run the identical Q4_1 file through the same library.
+
+Goodput: for each system the offered Poisson rate doubles from ``--start-rate`` until a rate fails,
+then is bisected twice. A rate *passes* when every request succeeded and the P99 end-to-end latency
+(issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
+achieved at its best passing rate. With ``--queries`` 40 per rate the P99 is near the maximum: the
+stated target is met by (almost) every request. Target of the issue: (b) at least 3x (a).
+
+Also printed: the per-request overhead of our HTTP stack (starlette on uvicorn), as
+(client end-to-end time of a 1-token request) - (the server's own queue wait + compute for it, from
+its /metrics), and the round trip of GET /health beside the bare-ASGI no-op server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from variantbench.backends.openai_http import OpenAIBackend
+from variantbench.loadgen.harness import LoadSettings, run_scenario
+from variantbench.loadgen.noop_server import ProcessServer, free_port
+from variantbench.models import parse_model, prepare_model
+from variantbench.models.source import default_gguf
+from variantbench.paths import cache_root
+from variantbench.workloads import build_synthetic, parse_lengths
+from variantbench.workloads.base import tokenizer_counter
+
+
+@dataclass
+class Point:
+    rate: float
+    achieved_qps: float
+    p50_s: float
+    p99_s: float
+    errors: int
+    mean_output_tokens: float
+    passed: bool
+    first_error: str | None = None
+
+
+@dataclass
+class System:
+    label: str
+    title: str
+    command: list[str]
+    model: str
+    points: list[Point] = field(default_factory=list)
+    startup_s: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def goodput(self) -> Point | None:
+        good = [p for p in self.points if p.passed]
+        return max(good, key=lambda p: p.achieved_qps) if good else None
+
+
+class Running:
+    """A server command in its own process, ready when /v1/models answers."""
+
+    def __init__(self, command: list[str], port: int, timeout_s: float = 900.0) -> None:
+        self.command, self.port, self.timeout_s = command, port, timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> Running:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"vb-serving-{self.port}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                tail = Path(self.log.name).read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"{' '.join(self.command[:4])} did not start: {' | '.join(tail)}")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def measure(url: str, model: str, library, rate: float, queries: int, tokens: int, target_s: float,  # noqa: ANN001
+            seed: int) -> Point:  # fmt: skip
+    backend = OpenAIBackend(url, model=model, api="chat", timeout_s=max(120.0, 10 * target_s))
+    backend.load()
+    settings = LoadSettings(scenario="server", rate_qps=rate, min_queries=queries, max_queries=queries, warmup=2,
+                            max_new_tokens=tokens, schedule_seed=seed, sample_seed=seed, drain_timeout_s=600,
+                            run_id=f"{model}@{rate:g}")  # fmt: skip
+    run = run_scenario(backend, library, settings)
+    recs = run.records
+    ok = [r for r in recs if r.status == "ok"]
+    lat = sorted(r.latency_ms / 1e3 for r in recs)
+    p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+    span = (max(r.completed_ns for r in recs) - min(r.issued_ns for r in recs)) / 1e9
+    errors = len(recs) - len(ok)
+    return Point(rate, len(ok) / span, statistics.median(lat), p99, errors,
+                 statistics.fmean(r.output_tokens for r in ok) if ok else 0.0,
+                 errors == 0 and p99 <= target_s,
+                 next((r.error for r in recs if r.status != "ok"), None))  # fmt: skip
+
+
+def sweep(system: System, url: str, library, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Double the rate until it fails, then bisect twice between the last pass and the first fail."""
+    rate, lo, hi, bisections = args.start_rate, None, None, 0
+    for _ in range(args.max_points):
+        p = measure(
+            url, system.model, library, rate, args.queries, args.output_tokens, args.p99_target_s, args.seed
+        )
+        system.points.append(p)
+        mark = "pass" if p.passed else "FAIL"
+        print(f"  ({system.label}) {rate:7.3f} req/s offered: {p.achieved_qps:6.3f} done/s, p50 {p.p50_s:6.2f} s, "
+              f"p99 {p.p99_s:6.2f} s, {p.errors} errors, {p.mean_output_tokens:.1f} tokens/answer  {mark}"
+              + (f" (first error: {p.first_error[:120]})" if p.first_error else ""), flush=True)  # fmt: skip
+        if p.passed:
+            lo = rate
+        else:
+            hi = rate
+        if hi is None:
+            rate *= 2
+        elif lo is None:
+            if rate / 2 < args.start_rate / 8:
+                return
+            rate /= 2
+        elif bisections < 2:
+            bisections += 1
+            rate = (lo + hi) / 2
+        else:
+            return
+
+
+def _metric_sum(text: str, name: str, model: str) -> tuple[float, float]:
+    def one(suffix: str) -> float:
+        m = re.search(rf'^{name}_{suffix}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return one("sum"), one("count")
+
+
+def stack_overhead(url: str, model: str, n: int = 30) -> dict[str, float]:
+    """Client e2e of 1-token requests minus the server's own queue wait + compute (from /metrics)."""
+
+    def metrics() -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def post() -> float:
+        body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+        req = urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+        return time.perf_counter() - t0
+
+    post()
+    before = metrics()
+    e2e = [post() for _ in range(n)]
+    after = metrics()
+    inside = 0.0
+    for name in ("variantbench_queue_wait_seconds", "variantbench_compute_seconds"):
+        s0, c0 = _metric_sum(before, name, model)
+        s1, c1 = _metric_sum(after, name, model)
+        if c1 - c0 != n:
+            raise RuntimeError(f"{name}: expected {n} new observations, got {c1 - c0}")
+        inside += (s1 - s0) / n
+    return {"e2e_ms": statistics.fmean(e2e) * 1e3, "inside_ms": inside * 1e3,
+            "overhead_ms": (statistics.fmean(e2e) - inside) * 1e3}  # fmt: skip
+
+
+def health_rtt_ms(url: str, n: int = 200) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            r.read()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--p99-target-s", type=float, default=6.0, help="P99 end-to-end latency target (s)")
+    ap.add_argument("--queries", type=int, default=40, help="measured requests per rate")
+    ap.add_argument("--start-rate", type=float, default=0.25, help="first offered rate (requests/s)")
+    ap.add_argument("--max-points", type=int, default=8, help="most rates per system")
+    ap.add_argument("--output-tokens", type=int, default=32, help="max_tokens of every request")
+    ap.add_argument("--input-lengths", default="fixed:128", help="synthetic prompt tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default="a,b,c,d", help="which of a,b,c,d to run")
+    ap.add_argument("--threads", type=int, default=None, help="threads per server (default: all cores)")
+    args = ap.parse_args()
+
+    base = str(prepare_model(parse_model(None), status=print))
+    gguf = default_gguf(print, cache_root())
+    threads = args.threads or len(os.sched_getaffinity(0))
+    library = build_synthetic(max(args.queries, 64), args.seed, lengths=parse_lengths(args.input_lengths),
+                              counter=tokenizer_counter(base))  # fmt: skip
+    vb = [sys.executable, "-m", "variantbench", "serve", "--max-len", "1024", "--threads", str(threads)]
+    systems = {
+        "a": System("a", "our server, batching off (fp32, batch 1)", [*vb, "--variants", "fp32", "--max-batch-size", "1"], "fp32"),
+        "b": System("b", "our server, continuous batching (fp32, up to 32)", [*vb, "--variants", "fp32"], "fp32"),
+        "c": System("c", f"llama_cpp.server on {gguf.name} (one at a time)",
+                    [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
+                     "--n_threads", str(threads), "--verbose", "false", "--host", "127.0.0.1",
+                     # its default aborts the running request whenever a new one arrives
+                     "--interrupt_requests", "false"], gguf.stem),
+        "d": System("d", f"our server on {gguf.name} via llama.cpp (batched, up to 32)", [*vb, "--variants", "gguf-q4_1"], "gguf-q4_1"),
+    }  # fmt: skip
+    chosen = [systems[k] for k in args.systems.split(",")]
+    have_llama = importlib.util.find_spec("llama_cpp") is not None
+    server_extra = have_llama and importlib.util.find_spec("fastapi") is not None
+    overhead: dict[str, float] | None = None
+    health: dict[str, float] = {}
+    print(f"P99 target {args.p99_target_s:g} s, {args.queries} requests per rate, prompts {args.input_lengths} "
+          f"tokens (chat), max_tokens {args.output_tokens}, {threads} threads per server", flush=True)  # fmt: skip
+    for s in chosen:
+        if s.label in ("c", "d") and not have_llama:
+            s.skipped = "llama-cpp-python is not installed (the llamacpp extra)"
+        elif s.label == "c" and not server_extra:
+            s.skipped = "llama_cpp.server needs llama-cpp-python[server] (fastapi, sse-starlette, ...)"
+        if s.skipped:
+            print(f"({s.label}) skipped: {s.skipped}")
+            continue
+        port = free_port()
+        cmd = [*s.command, "--port", str(port)]
+        print(f"({s.label}) {s.title}: starting", flush=True)
+        t0 = time.monotonic()
+        with Running(cmd, port) as srv:
+            s.startup_s = time.monotonic() - t0
+            sweep(s, srv.url, library, args)
+            if s.label == "b":
+                overhead = stack_overhead(srv.url, s.model)
+                health["ours"] = health_rtt_ms(srv.url)
+    with ProcessServer() as noop:
+        health["noop"] = health_rtt_ms(noop.url)
+
+    print()
+    print(f"Goodput at P99 end-to-end latency <= {args.p99_target_s:g} s (no errors), requests/s:")
+    print("| system | goodput req/s | at offered req/s | p50 s | p99 s | tokens/answer | rates tried |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for s in chosen:
+        if s.skipped:
+            print(f"| ({s.label}) {s.title} | skipped: {s.skipped} | | | | | |")
+            continue
+        g = s.goodput
+        tried = ", ".join(f"{p.rate:g}{'' if p.passed else '✗'}" for p in s.points)
+        if g is None:
+            print(f"| ({s.label}) {s.title} | 0 (no rate passed) | | | | | {tried} |")
+        else:
+            print(f"| ({s.label}) {s.title} | {g.achieved_qps:.3f} | {g.rate:g} | {g.p50_s:.2f} | {g.p99_s:.2f} | "
+                  f"{g.mean_output_tokens:.1f} | {tried} |")  # fmt: skip
+
+    def ratio(x: str, y: str) -> str:
+        a, b = systems[x], systems[y]
+        if a.skipped or b.skipped or a not in chosen or b not in chosen:
+            return "n/a"
+        ga, gb = a.goodput, b.goodput
+        if ga is None or gb is None:
+            return "n/a (a system met no rate)"
+        return f"{ga.achieved_qps / gb.achieved_qps:.2f}x"
+
+    print()
+    print(f"batching on / off, torch fp32   (b)/(a): {ratio('b', 'a')}   (target: at least 3x)")
+    print(f"our batched server / llama.cpp's server, same GGUF   (d)/(c): {ratio('d', 'c')}")
+    print(f"engine: llama.cpp Q4_1 / torch fp32, both batched   (d)/(b): {ratio('d', 'b')}")
+    if overhead:
+        print(f"per-request overhead of our stack (starlette + uvicorn/httptools, 1-token requests): "
+              f"{overhead['overhead_ms']:.2f} ms = {overhead['e2e_ms']:.2f} ms end to end - "
+              f"{overhead['inside_ms']:.2f} ms queue + compute")  # fmt: skip
+    if health:
+        print(f"GET /health round trip (median of 200): ours {health.get('ours', float('nan')):.2f} ms, "
+              f"bare-ASGI no-op server {health['noop']:.2f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
