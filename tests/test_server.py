@@ -341,9 +341,25 @@ def test_serve_command_rejects_bad_options_in_one_line(tiny_model_dir: Path) -> 
         (["--port", "70000"], "port"),
         (["--router", "int8"], "LIGHT,STANDARD"),
         (["--max-batch-size", "0"], "max-batch-size"),
+        (["--queue-policy", "x:max_queue=3"], "priority level"),
+        (["--queue-policy", "0:max_queue=0"], "bad value"),
+        (["--queue-policy", "0:on_timeout=later"], "bad value"),
+        (["--queue-policy", "0:size=3"], "unknown key"),
     ]:
         result = runner.invoke(app, ["serve", "--model", str(tiny_model_dir), *args])
         assert result.exit_code == 2, (args, result.output)
         assert words in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["serve", "--model", str(tiny_model_dir), "--router", "int8,bf16"])
     assert result.exit_code == 2 and "not among the served variants" in result.output
+
+
+def test_route_command_compares_router_light_and_standard_on_held_out_samples(tiny_model_dir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from variantbench.cli import app
+
+    result = CliRunner().invoke(app, ["route", "--model", str(tiny_model_dir), "--router", "int8,fp32", "--tasks", "12",
+                                      "--input-lengths", "uniform:40-120", "--standard-share", "0.5"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for words in ("router", "always-light", "always-standard", "random-at-share", "routing overhead"):
+        assert words in result.output

@@ -483,6 +483,12 @@ def serve(
         float | None, typer.Option(help="longest wait in the queue before 503 (default: none)")
     ] = None,
     max_len: Annotated[int, typer.Option(help="context per request (prompt + output tokens)")] = 2048,
+    queue_policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="per priority level: LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay (repeatable)"
+        ),
+    ] = None,
     router: Annotated[
         str | None, typer.Option(help="tiered router over LIGHT,STANDARD variants, e.g. int8,fp32")
     ] = None,
@@ -501,7 +507,14 @@ def serve(
     """Serve variants behind an OpenAI-compatible API with continuous batching and priorities."""
     from variantbench.models import parse_model, prepare_model
     from variantbench.serving.app import make_app
-    from variantbench.serving.host import ServeOptions, build_router, close_models, load_models, run_server
+    from variantbench.serving.host import (
+        ServeOptions,
+        build_router,
+        close_models,
+        load_models,
+        parse_queue_policy,
+        run_server,
+    )
 
     console = Console(stderr=True)
 
@@ -523,8 +536,9 @@ def serve(
 
         for name in names:
             parse_variant(name)
+        policies = dict(parse_queue_policy(p) for p in queue_policy or [])
         options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                               queue_timeout_ms=queue_timeout_ms, max_len=max_len)  # fmt: skip
+                               queue_timeout_ms=queue_timeout_ms, max_len=max_len, policies=policies)  # fmt: skip
         base = str(prepare_model(parse_model(model), status=say))
         models = load_models(base, names, options, device=device, threads=threads, say=say)
     except UserError as exc:

@@ -415,6 +415,8 @@ class Server:
             return exc.response()
         run = _Run(self, target, parsed, key, arrival, chat, routed)
         headers = {"x-variantbench-decoding": "greedy", "x-variantbench-model": target.name}
+        if routed:
+            headers["x-variantbench-routed-to"] = routed
         if parsed.stream:
             return StreamingResponse(run.sse(first, events, request), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
@@ -526,8 +528,6 @@ class _Run:
             choice["text"] = text
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.p.model, "choices": [choice], "usage": self._usage()}  # fmt: skip
-        if self.routed:
-            headers = {**headers, "x-variantbench-routed-to": self.routed}
         self._close("200")
         return JSONResponse(body, headers=headers)
 

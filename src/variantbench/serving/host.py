@@ -3,12 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from variantbench.errors import UserError
 from variantbench.serving.app import ServedModel
+from variantbench.serving.scheduler import QueuePolicy
 from variantbench.serving.worker import BatchWorker
+
+
+def parse_queue_policy(text: str) -> tuple[int, QueuePolicy]:
+    """``LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay`` (any subset after the colon)."""
+    level, sep, rest = text.partition(":")
+    try:
+        prio = int(level)
+    except ValueError:
+        raise UserError(
+            f"--queue-policy {text!r}: starts with a priority level (an integer) and a colon"
+        ) from None
+    if not sep:
+        raise UserError(
+            f"--queue-policy {text!r}: expected LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay"
+        )
+    policy = QueuePolicy()
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key == "max_queue":
+                policy.max_queue = int(value)
+                if policy.max_queue < 1:
+                    raise ValueError
+            elif key == "timeout_ms":
+                policy.timeout_ms = float(value)
+                if policy.timeout_ms <= 0:
+                    raise ValueError
+            elif key == "on_timeout":
+                if value not in ("reject", "delay"):
+                    raise ValueError
+                policy.on_timeout = value
+            else:
+                raise UserError(
+                    f"--queue-policy {text!r}: unknown key {key!r} (max_queue, timeout_ms, on_timeout)"
+                )
+        except ValueError:
+            raise UserError(f"--queue-policy {text!r}: bad value for {key}: {value!r}") from None
+    return prio, policy
 
 
 @dataclass(frozen=True)
@@ -19,6 +58,7 @@ class ServeOptions:
     queue_timeout_ms: float | None = None
     max_len: int = 2048
     aging_ms: float = 1000.0
+    policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -41,7 +81,8 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
                         "serve torch or gguf-* variants")  # fmt: skip
     batch = make_batch(options.max_batch_size, options.max_len)
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
-                         queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms, name=name)  # fmt: skip
+                         queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
+                         policies=dict(options.policies), name=name)  # fmt: skip
     return ServedModel(name, backend, backend.tokenizer, worker, dict(backend.info()))
 
 
@@ -58,7 +99,16 @@ def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, 
             say(f"loading {name}")
             info = backend.load()
             models[name] = serve_model(name, backend, options)
-            say(f"{name}: ready in {info.startup_s:.1f} s")
+            batch = models[name].worker.batch
+            storage = getattr(batch, "storage", None)
+            kv = (
+                f", KV cache {storage.numel() * storage.element_size() / 1e9:.2f} GB"
+                if storage is not None
+                else ""
+            )
+            say(
+                f"{name}: ready in {info.startup_s:.1f} s (batches of up to {batch.max_batch} x {batch.max_len} tokens{kv})"
+            )
     except BaseException:
         close_models(models)
         raise

@@ -115,7 +115,7 @@ def evaluate(light: Any, standard: Any, samples: Sequence[Any], router: TieredRo
     Every sample is answered once by each variant (in-process ``generate``, one at a time, timed);
     each policy's quality is the composite score of the answers it would have served, and its cost
     the measured compute seconds it would have spent (the router's includes its scoring prefill),
-    priced at ``cost_per_hour``. A random router at the realized share is the chance baseline.
+    priced at ``cost_per_hour``. A random router with the same number of standard calls (mean of 20 draws) is the chance baseline.
     """
     from variantbench.backends.base import GenerationRequest
     from variantbench.metrics.quality import Scored, summarize_quality
@@ -152,7 +152,13 @@ def evaluate(light: Any, standard: Any, samples: Sequence[Any], router: TieredRo
 
     realized = sum(r[1] == router.standard for r in rows) / len(rows)
     rng = random.Random(seed)
-    coin = [rng.random() < realized for _ in rows]
+    k = round(realized * len(rows))
+    draws = []  # the chance baseline: the same number of standard calls on random samples, 20 draws
+    for _ in range(20):
+        chosen = set(rng.sample(range(len(rows)), k))
+        draws.append(policy(lambda i, t, c=chosen: router.standard if i in c else router.light, False))
+    chance = {key: (None if any(d[key] is None for d in draws) else sum(d[key] for d in draws) / len(draws))
+              for key in draws[0]}  # fmt: skip
     return {
         "held_out": len(rows),
         "target_share": router.calibration.share,
@@ -163,6 +169,6 @@ def evaluate(light: Any, standard: Any, samples: Sequence[Any], router: TieredRo
             "router": policy(lambda i, t: t, True),
             "always-light": policy(lambda i, t: router.light, False),
             "always-standard": policy(lambda i, t: router.standard, False),
-            "random-at-share": policy(lambda i, t: router.standard if coin[i] else router.light, False),
+            "random-at-share": chance,
         },
     }

@@ -35,12 +35,12 @@ class _Live:
 class BatchWorker:
     def __init__(self, batch: Any, max_queue: int = 256, aging_ms: float = 1000.0,
                  queue_timeout_ms: float | None = None, max_wait_ms: float = 10.0,
-                 name: str = "variant") -> None:  # fmt: skip
+                 policies: dict[int, QueuePolicy] | None = None, name: str = "variant") -> None:  # fmt: skip
         """``batch``: a ``ContinuousBatch`` (our torch engine) or a ``LlamaCppBatch``, or anything with
         their join / step / leave contract."""
         self.name = name
         self.batch = batch
-        self.scheduler = Scheduler(default=QueuePolicy(max_queue=max_queue, timeout_ms=queue_timeout_ms),
+        self.scheduler = Scheduler(policies=policies, default=QueuePolicy(max_queue=max_queue, timeout_ms=queue_timeout_ms),
                                    aging_ms=aging_ms, max_batch=batch.max_batch)  # fmt: skip
         self.max_len = batch.max_len
         self.max_wait_s = max(0.0, max_wait_ms) / 1e3
