@@ -359,7 +359,8 @@ def test_route_command_compares_router_light_and_standard_on_held_out_samples(ti
     from variantbench.cli import app
 
     result = CliRunner().invoke(app, ["route", "--model", str(tiny_model_dir), "--router", "int8,fp32", "--tasks", "12",
-                                      "--input-lengths", "uniform:40-120", "--standard-share", "0.5"])  # fmt: skip
+                                      "--input-lengths", "uniform:40-120", "--standard-share", "0.5"],
+                                env={"COLUMNS": "200"})  # fmt: skip
     assert result.exit_code == 0, result.output
     for words in ("router", "always-light", "always-standard", "random-at-share", "routing overhead"):
         assert words in result.output
