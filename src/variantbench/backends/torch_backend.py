@@ -122,8 +122,9 @@ class TorchBackend:
             compile_ns = time.perf_counter_ns() - c0
             self._info["compile_s"] = compile_ns / 1e9
             self._info["compile"] = dict(compile_options)
-        # Ready means a token can be produced: one tiny generation touches every weight once.
-        self._decoder.generate([[self._first_token_id()]], 1)
+        # Ready means a token can be produced: one tiny generation touches every weight once. Two
+        # prompt tokens, so the engine's multi-row weight layout is made now, not in a timed query.
+        self._decoder.generate([[self._first_token_id()] * 2], 1)
         startup_s = (time.perf_counter_ns() - t0) / 1e9
         return LoadInfo(startup_s=startup_s, param_bytes=nbytes, details=dict(self._info))
 
