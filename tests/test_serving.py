@@ -240,3 +240,24 @@ def test_worker_serves_priorities_in_order_and_frees_cancelled_slots(decoder) ->
             worker.drain_and_stop()
 
     asyncio.run(main())
+
+
+def test_batch_size_adapts_to_what_a_row_more_still_buys() -> None:
+    from variantbench.serving.scheduler import StepCost
+
+    fixed = StepCost()  # a step costs 40 ms + 5 ms per row (our fp32 engine's shape here)
+    assert fixed.useful_batch(32) == 32  # nothing learned yet: no limit
+    for n in (1, 2, 4, 8, 16):
+        fixed.observe(n, 0.040 + 0.005 * n)
+    limit = fixed.useful_batch(32)
+    assert 8 < limit < 32
+    rate = [n / (0.040 + 0.005 * n) for n in (limit, limit + 1)]
+    assert rate[1] < rate[0] * 1.02  # the next row would add under 2% tokens/s
+    linear = StepCost()  # each row costs as much as a batch of one (llama.cpp's CPU kernels here)
+    for n, s in [(1, 0.0125), (2, 0.023), (4, 0.043), (8, 0.0835), (16, 0.204)]:
+        linear.observe(n, s)
+    assert linear.useful_batch(32) == 1
+    # sizes seen long ago keep counting: a thousand steps at batch 1 do not erase what batch 16 cost
+    for _ in range(1000):
+        linear.observe(1, 0.0125)
+    assert linear.useful_batch(32) == 1 and 16 in linear.by_size

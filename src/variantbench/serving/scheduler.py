@@ -9,7 +9,8 @@
 * Cost model: decode step time = a x batch size + b, fitted by least squares over recent steps
   (BentoML's adaptive batching fits the same shape); with a request's prompt and output length it
   estimates when the request would finish, so one that cannot meet its deadline is shed at once
-  (HTTP 503 with Retry-After) instead of wasting a batch slot.
+  (HTTP 503 with Retry-After) instead of wasting a batch slot. The same fit sizes the batch: rows
+  are added only while one more row still raises the tokens/s (``useful_batch``).
 
 Pure Python and a clock passed in: the tests drive it with their own time.
 """
@@ -53,25 +54,45 @@ class Ticket:
 
 @dataclass
 class StepCost:
-    """time(n) = a x n + b for a decode step at batch n, least squares over the last 200 steps."""
+    """time(n) = a x n + b for a decode step at batch n, least squares over each batch size's recent
+    mean step time (so sizes seen long ago still count once a cap keeps the batch small)."""
 
     prefill_s_per_token: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=200))
+    by_size: dict[int, float] = field(default_factory=dict)  # batch size -> moving mean step seconds
     a: float = 0.0
     b: float = 0.0
 
     def observe(self, batch: int, seconds: float) -> None:
         self.samples.append((batch, seconds))
-        n = len(self.samples)
-        xs = [x for x, _ in self.samples]
-        ys = [y for _, y in self.samples]
-        mx, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx) ** 2 for x in xs)
+        old = self.by_size.get(batch)
+        self.by_size[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        points = list(self.by_size.items())
+        n = len(points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        var = sum((x - mx) ** 2 for x, _ in points)
         if var > 0:
-            self.a = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / var)
+            self.a = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var)
             self.b = max(0.0, my - self.a * mx)
         else:  # every step at one batch size: its mean time
             self.a, self.b = 0.0, my
+
+    def useful_batch(self, max_batch: int, min_gain: float = 0.02) -> int:
+        """The largest batch worth running: beyond it one more row raises tokens/s by less than
+        ``min_gain``. An engine whose step costs n times one row's (b = 0, llama.cpp's CPU kernels
+        here) gets 1: batching it only makes every request share the time, so each finishes later.
+        Until two batch sizes have been seen the limit is ``max_batch`` (the model is still learning)."""
+        if len(self.by_size) < 2 or self.a <= 0:
+            return max_batch
+        n = 1
+        while n < max_batch:
+            rate_n = n / (self.a * n + self.b)
+            rate_next = (n + 1) / (self.a * (n + 1) + self.b)
+            if rate_next < rate_n * (1 + min_gain):
+                break
+            n += 1
+        return n
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0:

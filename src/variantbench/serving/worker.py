@@ -16,6 +16,7 @@ A failing step fails only the requests in that batch; the thread goes on.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 import threading
 import time
@@ -51,6 +52,7 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
         self.batch_sizes: list[int] = []  # size of every decode step (for the tests)
         self.holds: list[float] = []  # every hold-open, in seconds (for the tests)
+        self.batch_limits: deque[int] = deque(maxlen=1000)  # the adaptive batch limit at each admission
         self.step_listeners: list[Any] = []  # callables(batch_size, seconds) after each step
         self._last_arrival: float | None = None
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
@@ -138,7 +140,9 @@ class BatchWorker:
             now = time.perf_counter_ns()
             expired = self.scheduler.expire(now)
             tickets = []
-            while self.batch.active + len(tickets) < self.batch.max_batch:
+            limit = self.scheduler.cost.useful_batch(self.batch.max_batch)  # adaptive: what still pays
+            self.batch_limits.append(limit)
+            while self.batch.active + len(tickets) < limit:
                 ticket = self.scheduler.pop(now)
                 if ticket is None:
                     break
@@ -173,7 +177,8 @@ class BatchWorker:
         (running x gap) than the newcomer gains (one step at the fitted cost a x (n+1) + b), and
         never longer than ``max_wait_ms``. An idle model is never held: a lone request starts at once.
         """
-        if running == 0 or running >= self.batch.max_batch or not self.scheduler.cost.known:
+        limit = self.scheduler.cost.useful_batch(self.batch.max_batch)
+        if running == 0 or running >= limit or not self.scheduler.cost.known:
             return 0.0
         gap = self._gap_s
         if gap is None or self._last_arrival is None:
