@@ -42,7 +42,7 @@ import urllib.request
 
 from variantbench.backends.openai_http import OpenAIBackend
 from variantbench.loadgen.harness import LoadSettings, run_scenario
-from variantbench.loadgen.noop_server import ProcessServer, free_port
+from variantbench.loadgen.noop_server import ProcessServer, free_port, stop_process
 from variantbench.models import parse_model, prepare_model
 from variantbench.models.source import default_gguf
 from variantbench.paths import cache_root
@@ -105,13 +105,8 @@ class Running:
             time.sleep(0.5)
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 60)
         self.log.close()
 
 

@@ -167,14 +167,20 @@ class ProcessServer:
                 time.sleep(0.05)
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 5)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Terminate, wait up to ``timeout_s`` for it to finish (a server drains), then kill."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:

@@ -25,6 +25,16 @@ class NoRoom(RuntimeError):
     """The KV cache cannot take this request now; it may after running requests finish."""
 
 
+def check_join(batch: Any, prompt_len: int, max_new: int) -> None:
+    """What every batch refuses before it prefills: a full batch, an empty or too-long request."""
+    if batch.active >= batch.max_batch:
+        raise RuntimeError("the batch is full")
+    if prompt_len == 0 or not batch.fits(prompt_len, max_new):
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + {max_new} new does not fit {batch.max_len} positions"
+        )
+
+
 @dataclass
 class Slot:
     key: Any  # the caller's handle for the request
@@ -66,11 +76,8 @@ class ContinuousBatch:
     @torch.inference_mode()
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Prefill ``prompt`` and add it to the batch; returns (first token, finished already)."""
-        if self.active >= self.max_batch:
-            raise RuntimeError("the batch is full")
         n = len(prompt)
-        if n == 0 or not self.fits(n, max_new):
-            raise ValueError(f"prompt of {n} tokens + {max_new} new does not fit {self.max_len} positions")
+        check_join(self, n, max_new)
         dec = self.decoder
         # prefill alone into a private batch-1 cache
         max_kv = self.storage.shape[3]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from variantbench.serving.continuous import NoRoom
+from variantbench.serving.continuous import NoRoom, check_join
 
 
 @dataclass
@@ -94,11 +94,8 @@ class LlamaCppBatch:
         b.logits[j] = logits
 
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
-        if self.active >= self.max_batch:
-            raise RuntimeError("the batch is full")
         n = len(prompt)
-        if n == 0 or not self.fits(n, max_new):
-            raise ValueError(f"prompt of {n} tokens + {max_new} new does not fit {self.max_len} positions")
+        check_join(self, n, max_new)
         if sum(s.reserved for s in self.slots) + n + max_new > self.kv_tokens:
             raise NoRoom(f"no room for {n} + {max_new} tokens beside the running requests")
         seq_id = self._free.pop()
