@@ -413,7 +413,7 @@ class Server:
         except ApiError as exc:
             self.metrics.requests.labels(label, endpoint, str(exc.status)).inc()
             return exc.response()
-        run = _Run(self, target, parsed, key, arrival, chat, routed)
+        run = _Run(self, target, parsed, key, arrival, chat)
         headers = {"x-variantbench-decoding": "greedy", "x-variantbench-model": target.name}
         if routed:
             headers["x-variantbench-routed-to"] = routed
@@ -427,9 +427,9 @@ class _Run:
     """One admitted request: turns worker events into OpenAI chunks, and records its metrics."""
 
     def __init__(self, server: Server, target: ServedModel, parsed: Parsed, key: int, arrival_ns: int,
-                 chat: bool, routed: str | None) -> None:  # fmt: skip
+                 chat: bool) -> None:  # fmt: skip
         self.server, self.target, self.p, self.key = server, target, parsed, key
-        self.arrival_ns, self.chat, self.routed = arrival_ns, chat, routed
+        self.arrival_ns, self.chat = arrival_ns, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.text = TextStream(target.tokenizer, target.worker.batch.stop_ids, parsed.stop)
@@ -490,7 +490,7 @@ class _Run:
             if event[0] == "token":
                 delta = self._observe(event)
                 if self.text.stopped:  # a stop string: the request ends here
-                    self.server.models[self.target.name].worker.cancel(self.key)
+                    self.target.worker.cancel(self.key)
                     self.finish = "stop"
                     yield delta
                     return

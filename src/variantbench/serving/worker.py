@@ -16,7 +16,6 @@ A failing step fails only the requests in that batch; the thread goes on.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import dataclass
 import threading
 import time
@@ -52,7 +51,6 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
         self.batch_sizes: list[int] = []  # size of every decode step (for the tests)
         self.holds: list[float] = []  # every hold-open, in seconds (for the tests)
-        self.batch_limits: deque[int] = deque(maxlen=1000)  # the adaptive batch limit at each admission
         self.step_listeners: list[Any] = []  # callables(batch_size, seconds) after each step
         self._last_arrival: float | None = None
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
@@ -141,7 +139,6 @@ class BatchWorker:
             expired = self.scheduler.expire(now)
             tickets = []
             limit = self.scheduler.cost.useful_batch(self.batch.max_batch)  # adaptive: what still pays
-            self.batch_limits.append(limit)
             while self.batch.active + len(tickets) < limit:
                 ticket = self.scheduler.pop(now)
                 if ticket is None:
