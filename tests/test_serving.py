@@ -53,6 +53,77 @@ def test_requests_joining_and_leaving_between_steps_decode_as_if_alone(decoder) 
     assert got == want
 
 
+def test_prompts_prefilled_in_chunks_beside_decode_rows_decode_as_if_alone(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+
+    prompts = {
+        "a": ([5, 9, 14, 30, 2, 8], 12),
+        "b": (list(range(60, 100)), 9),  # 40 tokens: six chunks of 7, each riding with a decode step
+        "c": ([40, 41, 42], 5),
+        "d": (list(range(20, 45)), 6),
+        "e": ([3], 4),
+    }
+    want = {k: _alone(decoder, p, n) for k, (p, n) in prompts.items()}
+    batch = ContinuousBatch(decoder, max_batch=5, max_len=96, prefill_chunk=7)
+    got: dict[str, list[int]] = {}
+    order = ["a", None, "b", "c", None, "d", "e"]
+    mixed = 0
+    while order or batch.active:
+        if order and (key := order.pop(0)) is not None:
+            batch.begin(key, *prompts[key])
+        for key, token, done in batch.step():
+            got.setdefault(key, []).append(token)
+            if done:
+                batch.leave(key)
+        assert batch.last_prompt_tokens <= 7
+        mixed += bool(batch.last_rows and batch.last_prompt_tokens)
+        assert len(got) <= 5 and sum(len(v) for v in got.values()) < 200
+    assert got == want
+    assert mixed >= 6  # prompt chunks really ran in the same forward as decode rows
+
+
+def test_a_cached_prefix_is_copied_not_recomputed_and_decodes_the_same(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+
+    system = list(range(100, 140))  # a shared 40-token "system prompt": two full blocks of 16
+    one, two = [*system, 7, 8, 9], [*system, 50, 51]
+    batch = ContinuousBatch(decoder, max_batch=2, max_len=96, prefix_cache_mb=1)
+    got = {"one": [batch.join("one", one, 6)[0]]}
+    assert batch.prompt_tokens == {"computed": 43, "cached": 0}
+    batch.begin("two", two, 6)  # joins the running one: 32 tokens copied, 10 computed
+    assert batch.prompt_tokens == {"computed": 53, "cached": 32}
+    while batch.active:
+        for key, token, done in batch.step():
+            got.setdefault(key, []).append(token)
+            if done:
+                batch.leave(key)
+    assert got == {"one": _alone(decoder, one, 6), "two": _alone(decoder, two, 6)}
+    # the whole prompt again: every full block but the one holding the last token comes from the cache
+    batch.join("three", one, 2)
+    assert batch.prompt_tokens["cached"] == 32 + 32
+
+
+def test_prefix_cache_keeps_its_budget_and_matches_whole_prefixes_only() -> None:
+    from variantbench.serving.prefix_cache import PrefixCache
+
+    def kv(prompt: list[int]) -> torch.Tensor:  # a stand-in for keys/values: position-wise, [2, len, 3]
+        return torch.tensor(prompt, dtype=torch.float32)[None, :, None].expand(2, -1, 3).clone()
+
+    cache = PrefixCache(budget_bytes=4 * 2 * 4 * 3 * 4, block=4)  # room for 4 blocks
+    a = list(range(12))
+    assert cache.insert(a, kv(a)) == 3 and cache.nbytes == 3 * 96
+    hit, blocks = cache.lookup([*a[:8], 99, 99, 99, 99])  # shares two blocks, then differs
+    assert hit == 8 and torch.equal(torch.cat(blocks, dim=1), kv(a)[:, :8])
+    assert cache.lookup(a, limit=11)[0] == 8  # the block holding token 11 is beyond the limit
+    assert cache.lookup([1, *a[1:]])[0] == 0  # a differing first token: nothing matches after it
+    b = [*a[:4], 40, 41, 42, 43, 44, 45, 46, 47]
+    cache.insert(b, kv(b))  # two new blocks; over budget: the stalest (a's deepest) goes first
+    assert cache.nbytes <= cache.budget_bytes and len(cache) == 4
+    assert cache.lookup(b)[0] == 12 and cache.lookup(a)[0] == 8
+    off = PrefixCache(budget_bytes=0)
+    assert off.insert(a, kv(a)) == 0 and off.lookup(a) == (0, [])
+
+
 def test_a_full_cache_is_compacted_and_refuses_what_cannot_fit(decoder) -> None:  # noqa: ANN001
     from variantbench.serving.continuous import ContinuousBatch, NoRoom
 

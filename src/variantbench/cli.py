@@ -483,6 +483,12 @@ def serve(
         float | None, typer.Option(help="longest wait in the queue before 503 (default: none)")
     ] = None,
     max_len: Annotated[int, typer.Option(help="context per request (prompt + output tokens)")] = 2048,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="prompt tokens per step, prefilled beside the decode rows (torch engine)")
+    ] = 256,
+    prefix_cache_mb: Annotated[
+        float, typer.Option(help="MiB of prompt-prefix keys/values kept for reuse (torch engine; 0: off)")
+    ] = 256.0,
     queue_policy: Annotated[
         list[str] | None,
         typer.Option(
@@ -538,7 +544,8 @@ def serve(
             parse_variant(name)
         policies = dict(parse_queue_policy(p) for p in queue_policy or [])
         options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                               queue_timeout_ms=queue_timeout_ms, max_len=max_len, policies=policies)  # fmt: skip
+                               queue_timeout_ms=queue_timeout_ms, max_len=max_len, prefill_chunk=prefill_chunk,
+                               prefix_cache_mb=prefix_cache_mb, policies=policies)  # fmt: skip
         base = str(prepare_model(parse_model(model), status=say))
         models = load_models(base, names, options, device=device, threads=threads, say=say)
     except UserError as exc:

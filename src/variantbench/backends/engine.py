@@ -136,6 +136,18 @@ class _Layer:
 
 
 @dataclass
+class PromptPiece:
+    """A chunk of one prompt in a ragged forward: tokens ``start:start+length`` of a sequence whose
+    per-layer (keys, values) views ``cache`` ([1, kv_heads, positions, head_dim]) hold its earlier
+    tokens. ``mask`` [1, 1, length, start+length] (None: plain causal from position 0)."""
+
+    cache: list[tuple[torch.Tensor, torch.Tensor]]
+    start: int
+    length: int
+    mask: torch.Tensor | None = None
+
+
+@dataclass
 class DecodeTimings:
     """Integer-nanosecond timestamps of one sequence in a batch."""
 
@@ -230,6 +242,11 @@ class LlamaDecoder:
         # = roll(x, D/2) * [-1.., +1..]: the sign lives in the precomputed sin table.
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gu = layer.gate_up(self._rms_norm(x, layer.post_norm))
+        inter = gu.shape[-1] // 2
+        return layer.down(self.act(gu[..., :inter]) * gu[..., inter:])
+
     def _forward(
         self,
         x: torch.Tensor,
@@ -274,10 +291,64 @@ class LlamaDecoder:
                     q, keys, values, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=nq != nkv
                 )
             x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d))
-            h = self._rms_norm(x, layer.post_norm)
-            gu = layer.gate_up(h)
-            inter = gu.shape[-1] // 2
-            x = x + layer.down(self.act(gu[..., :inter]) * gu[..., inter:])
+            x = x + self._mlp(layer, x)
+        return x
+
+    def _forward_ragged(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rows: int,
+        row_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        cur: int,
+        row_mask: torch.Tensor | None,
+        pieces: Sequence[PromptPiece],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """One forward over a ragged set of tokens ``x`` [T, H] (continuous batching's mixed step).
+
+        The first ``rows`` tokens are decode rows, one per sequence of ``row_cache`` (whose keys and
+        values go to slot ``cur``, attending under ``row_mask``); the rest are prompt chunks, each
+        attending causally to its own cache (``pieces``). Every projection runs once over all T
+        tokens, so a prompt chunk rides along with a decode step instead of stalling it: the weights
+        are read once for both. Attention, the only part that mixes tokens, runs per group.
+        """
+        cos_t, sin_t = rope
+        cos = cos_t[positions][None, None]  # [1, 1, T, D]
+        sin = sin_t[positions][None, None]
+        total = x.shape[0]
+        d = self.head_dim
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = layer.qkv(h).view(total, -1, d)
+            nq, nkv = layer.n_heads, layer.n_kv_heads
+            qk = self._rotate(qkv[:, : nq + nkv].transpose(0, 1)[None], cos, sin)[0]  # [Hq+Hkv, T, D]
+            v = qkv[:, nq + nkv :]  # [T, Hkv, D]
+            outs = []
+            if rows:
+                k_cache, v_cache = row_cache[li]
+                k_cache[:, :, cur] = qk[nq:, :rows].transpose(0, 1)
+                v_cache[:, :, cur] = v[:rows]
+                q = qk[:nq, :rows].transpose(0, 1).reshape(rows, nkv, nq // nkv, d)  # grouped, as _forward
+                attn = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, : cur + 1], v_cache[:, :, : cur + 1], attn_mask=row_mask
+                )
+                outs.append(attn.reshape(rows, nq * d))
+            offset = rows
+            for piece in pieces:
+                k_cache, v_cache = piece.cache[li]
+                start, length = piece.start, piece.length
+                end = start + length
+                k_cache[0, :, start:end] = qk[nq:, offset : offset + length]
+                v_cache[0, :, start:end] = v[offset : offset + length].transpose(0, 1)
+                attn = F.scaled_dot_product_attention(
+                    qk[None, :nq, offset : offset + length], k_cache[:, :, :end], v_cache[:, :, :end],
+                    attn_mask=piece.mask, is_causal=piece.mask is None and length > 1, enable_gqa=nq != nkv,
+                )  # fmt: skip
+                outs.append(attn[0].transpose(0, 1).reshape(length, nq * d))
+                offset += length
+            x = x + layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + self._mlp(layer, x)
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -125,8 +125,14 @@ class LlamaCppBackend:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def serving_batch(self, max_batch: int, max_len: int) -> Any:
-        """Continuous batching on llama.cpp (``variantbench serve``): up to ``max_batch`` sequences per decode."""
+    def serving_batch(self, max_batch: int, max_len: int, prefill_chunk: int = 256,
+                      prefix_cache_mb: float = 0.0) -> Any:  # fmt: skip
+        """Continuous batching on llama.cpp (``variantbench serve``): up to ``max_batch`` sequences per decode.
+
+        Prompts are prefilled at admission in llama.cpp's own ``n_batch`` chunks; ``prefill_chunk`` and
+        ``prefix_cache_mb`` (the torch engine's chunked prefill beside decode rows, and prefix caching)
+        do not apply here: on this CPU a llama.cpp step costs rows x one row's time, so riding a
+        prompt along a decode step saves nothing."""
         from variantbench.serving.llama_cpp_batch import LlamaCppBatch
 
         if self._llm is None:

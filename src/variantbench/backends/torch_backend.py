@@ -142,14 +142,17 @@ class TorchBackend:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def serving_batch(self, max_batch: int, max_len: int) -> Any:
-        """A continuous batch over this variant's decoder (``variantbench serve``)."""
+    def serving_batch(self, max_batch: int, max_len: int, prefill_chunk: int = 256,
+                      prefix_cache_mb: float = 0.0) -> Any:  # fmt: skip
+        """A continuous batch over this variant's decoder (``variantbench serve``), with chunked
+        prefill beside the decode rows and, when ``prefix_cache_mb`` > 0, prefix caching."""
         from variantbench.serving.continuous import ContinuousBatch
 
         if self._decoder is None:
             raise RuntimeError("serving_batch() before load()")
         limit = min(max_len, self._max_positions or max_len)
-        return ContinuousBatch(self._decoder, max_batch=max_batch, max_len=limit, stop_ids=self._stop_ids)
+        return ContinuousBatch(self._decoder, max_batch=max_batch, max_len=limit, stop_ids=self._stop_ids,
+                               prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)  # fmt: skip
 
     # ---- generation -----------------------------------------------------------------------------
 

@@ -94,6 +94,9 @@ class Metrics:
                                 ["model", "endpoint", "status"], registry=r)  # fmt: skip
         self.queue_depth = Gauge("variantbench_queue_depth", "Requests waiting", ["model"], registry=r)
         self.running = Gauge("variantbench_running_requests", "Requests in the batch", ["model"], registry=r)
+        self.prompt_tokens = Counter("variantbench_prompt_tokens", "Prompt tokens taken in, by where their "
+                                     "keys/values came from (computed, or copied from the prefix cache)",
+                                     ["model", "source"], registry=r)  # fmt: skip
         self.batch_size = Histogram("variantbench_batch_size", "Rows in each decode step", ["model"],
                                     buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), registry=r)  # fmt: skip
         self.step = Histogram("variantbench_step_seconds", "Compute time of each decode step", ["model"],
@@ -115,9 +118,17 @@ class Metrics:
         self.running.labels(model.name).set_function(lambda: w.batch.active)
         sizes, steps = self.batch_size.labels(model.name), self.step.labels(model.name)
 
-        def on_step(size: int, seconds: float) -> None:
-            sizes.observe(size)
-            steps.observe(seconds)
+        counts = getattr(w.batch, "prompt_tokens", None)  # the batch's own running totals
+        seen = {"computed": 0, "cached": 0}
+
+        def on_step(size: int, seconds: float, prompt_tokens: int) -> None:
+            if size:
+                sizes.observe(size)
+                steps.observe(seconds)
+            for source, total in (counts or {}).items():
+                if total > seen[source]:
+                    self.prompt_tokens.labels(model.name, source).inc(total - seen[source])
+                    seen[source] = total
 
         w.step_listeners.append(on_step)
 

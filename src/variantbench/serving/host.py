@@ -58,6 +58,8 @@ class ServeOptions:
     queue_timeout_ms: float | None = None
     max_len: int = 2048
     aging_ms: float = 1000.0
+    prefill_chunk: int = 256  # prompt tokens per step, prefilled beside the decode rows (torch engine)
+    prefix_cache_mb: float = 256.0  # keys/values of prompt prefixes kept for reuse (torch engine); 0: off
     policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
 
     def __post_init__(self) -> None:
@@ -69,6 +71,10 @@ class ServeOptions:
             raise UserError(f"--max-queue must be at least 1, got {self.max_queue}")
         if self.queue_timeout_ms is not None and self.queue_timeout_ms <= 0:
             raise UserError(f"--queue-timeout-ms must be positive, got {self.queue_timeout_ms}")
+        if self.prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.prefix_cache_mb < 0:
+            raise UserError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
         if self.max_len < 8:
             raise UserError(f"--max-len must be at least 8, got {self.max_len}")
 
@@ -79,7 +85,8 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
     if make_batch is None:
         raise UserError(f"{name}: its engine ({backend.info().get('backend', '?')}) cannot be served yet; "
                         "serve torch or gguf-* variants")  # fmt: skip
-    batch = make_batch(options.max_batch_size, options.max_len)
+    batch = make_batch(options.max_batch_size, options.max_len, prefill_chunk=options.prefill_chunk,
+                       prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
                          policies=dict(options.policies), name=name)  # fmt: skip
@@ -106,6 +113,9 @@ def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, 
                 if storage is not None
                 else ""
             )
+            prefix = getattr(batch, "prefix", None)
+            if prefix is not None and prefix.enabled:
+                kv += f", prefix cache up to {prefix.budget_bytes / 2**20:g} MiB"
             say(
                 f"{name}: ready in {info.startup_s:.1f} s (batches of up to {batch.max_batch} x {batch.max_len} tokens{kv})"
             )

@@ -51,9 +51,10 @@ class BatchWorker:
         self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
         self.batch_sizes: list[int] = []  # size of every decode step (for the tests)
         self.holds: list[float] = []  # every hold-open, in seconds (for the tests)
-        self.step_listeners: list[Any] = []  # callables(batch_size, seconds) after each step
+        self.step_listeners: list[Any] = []  # callables(decode rows, seconds, prompt tokens) after each step
         self._last_arrival: float | None = None
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
+        self._started: dict[Any, float] = {}  # taken in, first token not out yet: key -> queue wait (s)
 
     def start(self) -> BatchWorker:
         self._thread.start()
@@ -120,6 +121,7 @@ class BatchWorker:
         """Free the request's slot, then tell its client (who may look at the batch at once)."""
         with self._cond:
             live = self._live.pop(key, None)
+            self._started.pop(key, None)
         self.batch.leave(key)
         if live is not None:
             live.loop.call_soon_threadsafe(live.events.put_nowait, event)
@@ -147,9 +149,14 @@ class BatchWorker:
             return tickets, expired, cancelled
 
     def _admit(self, tickets: list[Ticket]) -> None:
+        chunked = hasattr(self.batch, "begin")  # prefilled by the next steps, beside the decode rows
         for i, ticket in enumerate(tickets):
             t0 = time.perf_counter_ns()
             try:
+                if chunked:
+                    self.batch.begin(ticket.key, ticket.payload, ticket.max_new)
+                    self._started[ticket.key] = (t0 - ticket.arrival_ns) / 1e9
+                    continue
                 first, done = self.batch.join(ticket.key, ticket.payload, ticket.max_new)
             except NoRoom:  # back in line, in their places, until running requests finish
                 with self._cond:
@@ -199,6 +206,7 @@ class BatchWorker:
                 return
             tickets, expired, cancelled = work
             for key in cancelled:
+                self._started.pop(key, None)
                 self.batch.leave(key)
             for ticket, why in expired:
                 self._finish(ticket.key, ("error", 503, why))
@@ -220,16 +228,26 @@ class BatchWorker:
             try:
                 produced = self.batch.step()
             except Exception as exc:  # noqa: BLE001 - a failing step fails only this batch
-                for slot in list(self.batch.slots):
-                    self._finish(slot.key, ("error", 500, f"{type(exc).__name__}: {exc}"))
+                keys = self.batch.keys() if hasattr(self.batch, "keys") else [s.key for s in self.batch.slots]
+                for key in keys:
+                    self._started.pop(key, None)
+                    self._finish(key, ("error", 500, f"{type(exc).__name__}: {exc}"))
                 continue
             seconds = time.perf_counter() - t0
-            self.scheduler.cost.observe(size, seconds)
-            self.batch_sizes.append(size)
+            size = getattr(self.batch, "last_rows", size)
+            prompt_tokens = getattr(self.batch, "last_prompt_tokens", 0)
+            cost = self.scheduler.cost
+            if prompt_tokens:  # a mixed step: what the decode rows alone would have cost is not prefill
+                decode_s = cost.step_s(size) if size and cost.known else 0.0
+                cost.observe_prefill(prompt_tokens, max(seconds - decode_s, 0.0))
+            elif size:
+                cost.observe(size, seconds)
+            if size:
+                self.batch_sizes.append(size)
             for listener in self.step_listeners:
-                listener(size, seconds)
+                listener(size, seconds, prompt_tokens)
             now = time.perf_counter_ns()
             for key, token, done in produced:
-                self._emit(key, ("token", token, now, None))
+                self._emit(key, ("token", token, now, self._started.pop(key, None)))
                 if done:
                     self._finish(key, ("done", "stop" if token in self.batch.stop_ids else "length"))

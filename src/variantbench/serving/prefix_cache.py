@@ -1,0 +1,113 @@
+"""Prefix caching: the keys and values of prompt prefixes seen before, reused instead of recomputed.
+
+Requests to one deployment share long prefixes: the chat template's system prompt, a task's
+instructions, few-shot examples. Their keys and values depend only on the tokens before them
+(causal attention, rotary positions from 0), so a request that starts with a cached prefix copies
+it and prefills only the rest. The same idea as vLLM's automatic prefix caching, at its granularity:
+prompts are cut into blocks of ``block`` tokens; a block is named by a hash chained over every
+block before it, so a hit on block i means the whole prefix up to it matches (each block also keeps
+its tokens, compared on a hit, so a hash collision cannot return the wrong prefix). Blocks are
+kept least-recently-used first out, within a byte budget; a hit touches a path from its last block
+back to the first, so the shared roots stay the freshest and are evicted after their descendants.
+
+Storage-agnostic: a block is any tensor slice ``kv[..., start:end, :]`` along ``axis``; the caller
+copies hits into its own cache. Not thread-safe: the batch's executor thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Block:
+    parent: int | None
+    tokens: tuple[int, ...]
+    kv: Any  # the block's keys/values, ``block`` positions along ``axis``
+    nbytes: int
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, block: int = 16, axis: int = -2) -> None:
+        if block < 1:
+            raise ValueError("block must be at least 1 token")
+        self.budget_bytes = max(0, int(budget_bytes))
+        self.block = block
+        self.axis = axis
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        self.nbytes = 0
+        self.hit_tokens = 0  # prompt tokens served from the cache
+        self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def _chain(self, prompt: Sequence[int], limit: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(hash, parent hash, tokens) of each full block within the first ``limit`` tokens."""
+        out = []
+        parent: int | None = None
+        for start in range(0, limit - self.block + 1, self.block):
+            tokens = tuple(prompt[start : start + self.block])
+            h = hash((parent, tokens))
+            out.append((h, parent, tokens))
+            parent = h
+        return out
+
+    def lookup(self, prompt: Sequence[int], limit: int | None = None) -> tuple[int, list[Any]]:
+        """The longest cached prefix of ``prompt`` within ``limit`` tokens: (its length, its blocks' kv)."""
+        self.lookups += 1
+        if not self.enabled:
+            return 0, []
+        limit = len(prompt) if limit is None else min(limit, len(prompt))
+        path: list[int] = []
+        for h, parent, tokens in self._chain(prompt, limit):
+            b = self._blocks.get(h)
+            if b is None or b.parent != parent or b.tokens != tokens:
+                break
+            path.append(h)
+        for h in reversed(path):  # deepest first, so the roots end the freshest
+            self._blocks.move_to_end(h)
+        self.hit_tokens += len(path) * self.block
+        return len(path) * self.block, [self._blocks[h].kv for h in path]
+
+    def insert(self, prompt: Sequence[int], kv: Any, length: int | None = None) -> int:
+        """Keep the full blocks of ``prompt``'s first ``length`` positions of ``kv``; returns blocks added.
+
+        ``kv`` holds positions 0.. along ``axis``; each new block is copied (a view would keep the
+        caller's whole tensor alive)."""
+        if not self.enabled:
+            return 0
+        length = len(prompt) if length is None else min(length, len(prompt))
+        added = 0
+        chain = self._chain(prompt, length)
+        for i, (h, parent, tokens) in enumerate(chain):
+            old = self._blocks.get(h)
+            if old is not None and old.parent == parent and old.tokens == tokens:
+                continue
+            start = i * self.block
+            piece = kv.narrow(self.axis, start, self.block).clone()
+            nbytes = piece.numel() * piece.element_size()
+            if nbytes > self.budget_bytes:
+                break
+            if old is not None:  # a collision: the newer block wins
+                self._drop(h)
+            self._blocks[h] = _Block(parent, tokens, piece, nbytes)
+            self.nbytes += nbytes
+            added += 1
+        for h, _, _ in reversed(chain):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+        while self.nbytes > self.budget_bytes and self._blocks:
+            self._drop(next(iter(self._blocks)))
+        return added
+
+    def _drop(self, h: int) -> None:
+        b = self._blocks.pop(h)
+        self.nbytes -= b.nbytes
