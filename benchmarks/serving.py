@@ -16,8 +16,12 @@ schedules (seeded), the same synthetic chat prompts and the same output cap:
 Goodput: for each system the offered Poisson rate doubles from ``--start-rate`` until a rate fails,
 then is bisected twice. A rate *passes* when every request succeeded and the P99 end-to-end latency
 (issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
-achieved at its best passing rate. With ``--queries`` 30 per rate the P99 is the slowest request:
+achieved at its best passing rate. With ``--queries`` 60 per rate the P99 is the slowest request:
 the stated target (10 s by default) is met by every request. Target of the issue: (b) at least 3x (a).
+
+Every rate gets prompts of its own (no prompt repeats in a run), so the prefix cache of (a) and
+(b) reuses only what real traffic shares: the chat template and a task's instructions. The share of
+prompt tokens it served is printed; ``--prefix-cache-mb 0`` turns it off.
 
 Also printed: the per-request overhead of our HTTP stack (starlette on uvicorn), as
 (client end-to-end time of a 1-token request) - (the server's own queue wait + compute for it, from
@@ -71,6 +75,7 @@ class System:
     points: list[Point] = field(default_factory=list)
     startup_s: float = 0.0
     skipped: str | None = None
+    cached_share: float | None = None  # prompt tokens served from the prefix cache, over the sweep
 
     @property
     def goodput(self) -> Point | None:
@@ -130,12 +135,24 @@ def measure(url: str, model: str, library, rate: float, queries: int, tokens: in
                  next((r.error for r in recs if r.status != "ok"), None))  # fmt: skip
 
 
-def sweep(system: System, url: str, library, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Double the rate until it fails, then bisect twice between the last pass and the first fail."""
+def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Double the rate until it fails, then bisect twice between the last pass and the first fail.
+
+    Each rate gets its own prompts (``libraries(rate)``: a synthetic library seeded by the rate, so
+    every system sees the same prompts at the same rate), and no server sees a prompt twice: its
+    prefix cache may reuse the prefixes real traffic shares (the chat template, a task's
+    instructions) but never a whole prompt replayed from an earlier rate."""
     rate, lo, hi, bisections = args.start_rate, None, None, 0
     for _ in range(args.max_points):
         p = measure(
-            url, system.model, library, rate, args.queries, args.output_tokens, args.p99_target_s, args.seed
+            url,
+            system.model,
+            libraries(rate),
+            rate,
+            args.queries,
+            args.output_tokens,
+            args.p99_target_s,
+            args.seed,
         )
         system.points.append(p)
         mark = "pass" if p.passed else "FAIL"
@@ -199,6 +216,19 @@ def stack_overhead(url: str, model: str, n: int = 30) -> dict[str, float]:
             "overhead_ms": (statistics.fmean(e2e) - inside) * 1e3}  # fmt: skip
 
 
+def prefix_share(url: str, model: str) -> float | None:
+    """Share of prompt tokens our server copied from its prefix cache (from its /metrics)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counts = {}
+    for source in ("cached", "computed"):
+        m = re.search(rf'^variantbench_prompt_tokens_total{{model="{re.escape(model)}",source="{source}"}} (\S+)$',
+                      text, re.M)  # fmt: skip
+        counts[source] = float(m.group(1)) if m else 0.0
+    total = counts["cached"] + counts["computed"]
+    return counts["cached"] / total if total else None
+
+
 def health_rtt_ms(url: str, n: int = 200) -> float:
     times = []
     for _ in range(n):
@@ -212,7 +242,7 @@ def health_rtt_ms(url: str, n: int = 200) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p99-target-s", type=float, default=10.0, help="P99 end-to-end latency target (s)")
-    ap.add_argument("--queries", type=int, default=30, help="measured requests per rate")
+    ap.add_argument("--queries", type=int, default=60, help="measured requests per rate")
     ap.add_argument("--start-rate", type=float, default=0.2, help="first offered rate (requests/s)")
     ap.add_argument("--max-points", type=int, default=8, help="most rates per system")
     ap.add_argument("--output-tokens", type=int, default=64, help="max_tokens of every request")
@@ -221,14 +251,23 @@ def main() -> None:
     ap.add_argument("--systems", default="a,b,c,d", help="which of a,b,c,d to run")
     ap.add_argument("--threads", type=int, default=None, help="threads per server (default: all cores)")
     ap.add_argument("--variant", default="fp32", help="the torch variant of (a) and (b)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=256.0, help="our server's prefix cache (0: off)")
     args = ap.parse_args()
 
     base = str(prepare_model(parse_model(None), status=print))
     gguf = default_gguf(print, cache_root())
     threads = args.threads or len(os.sched_getaffinity(0))
-    library = build_synthetic(max(args.queries, 64), args.seed, lengths=parse_lengths(args.input_lengths),
-                              counter=tokenizer_counter(base))  # fmt: skip
-    vb = [sys.executable, "-m", "variantbench", "serve", "--max-len", "1024", "--threads", str(threads)]
+    counter, built = tokenizer_counter(base), {}
+
+    def libraries(rate: float):  # noqa: ANN202 - the rate's own prompts (warm-up + measured, none repeated)
+        key = round(rate * 1e4)
+        if key not in built:
+            built[key] = build_synthetic(args.queries + 2, args.seed * 10**6 + key,
+                                         lengths=parse_lengths(args.input_lengths), counter=counter)  # fmt: skip
+        return built[key]
+
+    vb = [sys.executable, "-m", "variantbench", "serve", "--max-len", "1024", "--threads", str(threads),
+          "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]  # fmt: skip
     systems = {
         "a": System("a", f"our server, batching off ({args.variant}, batch 1)",
                     [*vb, "--variants", args.variant, "--max-batch-size", "1"], args.variant),
@@ -262,7 +301,9 @@ def main() -> None:
         t0 = time.monotonic()
         with Running(cmd, port) as srv:
             s.startup_s = time.monotonic() - t0
-            sweep(s, srv.url, library, args)
+            sweep(s, srv.url, libraries, args)
+            if s.label in ("a", "b"):
+                s.cached_share = prefix_share(srv.url, s.model)
             if s.label == "b":
                 overhead = stack_overhead(srv.url, s.model)
                 health["ours"] = health_rtt_ms(srv.url)
@@ -298,6 +339,10 @@ def main() -> None:
     print(f"batching on / off, torch {args.variant}   (b)/(a): {ratio('b', 'a')}   (target: at least 3x)")
     print(f"our batched server / llama.cpp's server, same GGUF   (d)/(c): {ratio('d', 'c')}")
     print(f"engine: llama.cpp Q4_1 / torch {args.variant}, both batched   (d)/(b): {ratio('d', 'b')}")
+    for s in chosen:
+        if s.cached_share is not None:
+            print(f"({s.label}) prompt tokens copied from the prefix cache (prompts never repeat; shared "
+                  f"template and instructions): {s.cached_share:.1%}")  # fmt: skip
     if overhead:
         print(f"per-request overhead of our stack (starlette + uvicorn/httptools, 1-token requests): "
               f"{overhead['overhead_ms']:.2f} ms = {overhead['e2e_ms']:.2f} ms end to end - "

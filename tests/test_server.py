@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+import re
 import time
 
 import httpx
@@ -144,6 +145,30 @@ def test_concurrent_requests_form_batches_and_an_idle_server_does_not(backends) 
                      'variantbench_queue_depth{model="fp32"}'):  # fmt: skip
             assert name in metrics, name
         assert 'variantbench_requests_total{endpoint="completions",model="fp32",status="200"} 11.0' in metrics
+
+
+def test_a_shared_prompt_prefix_is_served_from_the_prefix_cache(backends) -> None:  # noqa: ANN001
+    head = "Read the report and answer the question with a short phrase taken from it. " * 3
+    prompts = [head + "Q: who owns the mill? A:", head + "Q: where is the river? A:"]
+
+    def serve(prefix_cache_mb: float) -> tuple[list[str], str]:
+        with running(backends, prefix_cache_mb=prefix_cache_mb) as srv:
+            client = _client(srv)
+            texts = [client.completions.create(model="fp32", prompt=p, max_tokens=10).choices[0].text
+                     for p in prompts]  # fmt: skip
+            return texts, httpx.get(srv.url + "/metrics").text
+
+    want, _ = serve(0)
+    got, metrics = serve(64)
+    assert got == want  # copied keys/values decode exactly as computed ones
+
+    def count(source: str) -> float:
+        m = re.search(rf'variantbench_prompt_tokens_total{{model="fp32",source="{source}"}} (\S+)', metrics)
+        return float(m.group(1)) if m else 0.0
+
+    head_blocks = len(backends["fp32"].tokenize(head)) // 16 * 16
+    assert count("cached") >= head_blocks - 16  # the second request's shared full blocks
+    assert count("computed") > 0
 
 
 def test_priority_order_holds_under_a_backlog_and_overload_gets_429(backends) -> None:  # noqa: ANN001
@@ -345,6 +370,8 @@ def test_serve_command_rejects_bad_options_in_one_line(tiny_model_dir: Path) -> 
         (["--queue-policy", "0:max_queue=0"], "bad value"),
         (["--queue-policy", "0:on_timeout=later"], "bad value"),
         (["--queue-policy", "0:size=3"], "unknown key"),
+        (["--prefill-chunk", "0"], "prefill-chunk"),
+        (["--prefix-cache-mb", "-1"], "prefix-cache-mb"),
     ]:
         result = runner.invoke(app, ["serve", "--model", str(tiny_model_dir), *args])
         assert result.exit_code == 2, (args, result.output)
