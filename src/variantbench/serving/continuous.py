@@ -3,9 +3,9 @@
 One shared KV-cache storage ``[layers, 2, max_batch, kv_heads, max_len, head_dim]`` and one shared
 write index ``cur``: every decode step writes each active row's new key/value at ``cur``. A request
 is prefilled into a private cache of its own, then its keys/values are copied into its row so that
-they end at ``cur`` (left padding; a boolean row mask hides the rest). Keys carry their rotary
-position already, so where they sit in the cache does not matter, only the mask and each row's own
-position counter. A prompt longer than ``cur`` shifts the cache right first; when the write index
+they end at ``cur`` (left padding: a row attends to the positions from its ``start`` on). Keys
+carry their rotary position already, so where they sit in the cache does not matter, only each
+row's start and its own position counter. A prompt longer than ``cur`` shifts the cache right first; when the write index
 would pass ``max_len``, the cache is compacted left by the space no active row uses. Decode rows
 attend over the window from the first position an active row uses, not from index 0: under steady
 load the write index climbs towards ``max_len`` long before a compaction, and attending over the
@@ -72,7 +72,6 @@ class _Prefill:
     max_new: int
     cache: torch.Tensor  # its own keys/values, [layers, 2, 1, kv_heads, len(prompt), head_dim]
     done: int = 0  # prompt tokens whose keys/values are in ``cache``
-    cached: int = 0  # of which came from the prefix cache
     first: int | None = None  # the first output token, once the whole prompt is in
 
 
@@ -98,7 +97,6 @@ class ContinuousBatch:
         self.storage = torch.zeros(
             len(layers), 2, max_batch, max_kv, max_len, decoder.head_dim, dtype=dtype, device=dev
         )
-        self.valid = torch.zeros(max_batch, max_len, dtype=torch.bool, device=dev)
         self.slots: list[Slot] = []
         self.pending: list[_Prefill] = []
         self.cur = 0  # the next cache index every active row writes
@@ -140,7 +138,7 @@ class ContinuousBatch:
             at += size
         self.prompt_tokens["cached"] += hit
         self.prompt_tokens["computed"] += n - hit
-        return _Prefill(key, list(prompt), max_new, cache, done=hit, cached=hit)
+        return _Prefill(key, list(prompt), max_new, cache, done=hit)
 
     def begin(self, key: Any, prompt: list[int], max_new: int) -> None:
         """Take a request in; the next steps prefill its prompt in chunks beside the decode rows, and
@@ -175,8 +173,6 @@ class ContinuousBatch:
         n = len(self.slots)
         if n and self.cur:
             self.storage[:, :, :n, :, by : by + self.cur] = self.storage[:, :, :n, :, : self.cur].clone()
-            self.valid[:n, by : by + self.cur] = self.valid[:n, : self.cur].clone()
-            self.valid[:n, :by] = False
         for slot in self.slots:
             slot.start += by
         self.cur += by
@@ -189,8 +185,6 @@ class ContinuousBatch:
         n, keep = len(self.slots), self.cur - first
         if n:
             self.storage[:, :, :n, :, :keep] = self.storage[:, :, :n, :, first : self.cur].clone()
-            self.valid[:n, :keep] = self.valid[:n, first : self.cur].clone()
-            self.valid[:n, keep : self.cur] = False
         for slot in self.slots:
             slot.start -= first
         self.cur = keep
@@ -211,8 +205,6 @@ class ContinuousBatch:
         row = len(self.slots)
         start = self.cur - n
         self.storage[:, :, row, :, start : self.cur] = p.cache[:, :, 0, :, :n]
-        self.valid[row] = False
-        self.valid[row, start : self.cur] = True
         assert p.first is not None
         slot = Slot(
             key=p.key, max_new=p.max_new, position=n - 1, next_id=p.first, tokens=[p.first], start=start
@@ -245,8 +237,8 @@ class ContinuousBatch:
             # attend over the window the rows use, not from index 0: under steady load the write
             # index climbs towards max_len long before the cache is compacted
             lo = min(s.start for s in self.slots[:rows])
-            self.valid[:rows, self.cur] = True
-            row_mask = self.valid[:rows, None, None, lo : self.cur + 1]
+            starts = torch.tensor([s.start for s in self.slots[:rows]], device=dev)
+            row_mask = (torch.arange(lo, self.cur + 1, device=dev)[None, :] >= starts[:, None])[:, None, None]
             row_cache = dec._cache_views(self.storage[:, :, :rows, :, lo:])
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
@@ -323,9 +315,7 @@ class ContinuousBatch:
         last = len(self.slots) - 1
         if idx != last:
             self.storage[:, :, idx] = self.storage[:, :, last]
-            self.valid[idx] = self.valid[last]
             self.slots[idx] = self.slots[last]
-        self.valid[last] = False
         self.slots.pop()
         if not self.slots:
             self.cur = 0
