@@ -39,8 +39,6 @@ class PrefixCache:
         self.axis = axis
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self.nbytes = 0
-        self.hit_tokens = 0  # prompt tokens served from the cache
-        self.lookups = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -62,7 +60,6 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int], limit: int | None = None) -> tuple[int, list[Any]]:
         """The longest cached prefix of ``prompt`` within ``limit`` tokens: (its length, its blocks' kv)."""
-        self.lookups += 1
         if not self.enabled:
             return 0, []
         limit = len(prompt) if limit is None else min(limit, len(prompt))
@@ -74,7 +71,6 @@ class PrefixCache:
             path.append(h)
         for h in reversed(path):  # deepest first, so the roots end the freshest
             self._blocks.move_to_end(h)
-        self.hit_tokens += len(path) * self.block
         return len(path) * self.block, [self._blocks[h].kv for h in path]
 
     def insert(self, prompt: Sequence[int], kv: Any, length: int | None = None) -> int:
