@@ -1,6 +1,6 @@
 """Goodput of four ways to serve the default model, driven by our harness's server scenario.
 
-    python benchmarks/serving.py [--p99-target-s 10] [--queries 30] [--start-rate 0.2] [--variant fp32]
+    python benchmarks/serving.py [--p99-target-s 10] [--queries 60] [--precision 0.1] [--start-rate 0.2] [--variant fp32]
 
 Systems, each its own process on 127.0.0.1, measured one after another with the same Poisson
 schedules (seeded), the same synthetic chat prompts and the same output cap:
@@ -14,7 +14,8 @@ schedules (seeded), the same synthetic chat prompts and the same output cap:
 (d)/(b) the engine's share. (c) and (d) run the identical Q4_1 file through the same library.
 
 Goodput: for each system the offered Poisson rate doubles from ``--start-rate`` until a rate fails,
-then is bisected twice. A rate *passes* when every request succeeded and the P99 end-to-end latency
+then is bisected until the bracket between the best pass and the lowest fail is within ``--precision``
+(10% by default) of the pass, the same relative resolution for every system. A rate *passes* when every request succeeded and the P99 end-to-end latency
 (issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
 achieved at its best passing rate. With ``--queries`` 60 per rate the P99 is the slowest request:
 the stated target (10 s by default) is met by every request. Target of the issue: (b) at least 3x (a).
@@ -136,13 +137,16 @@ def measure(url: str, model: str, library, rate: float, queries: int, tokens: in
 
 
 def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Double the rate until it fails, then bisect twice between the last pass and the first fail.
+    """Double the rate until it fails, then bisect between the best pass and the lowest fail until
+    the bracket is within ``args.precision`` of the pass (equal relative resolution for every system:
+    a fixed number of bisections would leave a coarser bracket for a system whose doubling sequence
+    happened to land far below its limit).
 
     Each rate gets its own prompts (``libraries(rate)``: a synthetic library seeded by the rate, so
     every system sees the same prompts at the same rate), and no server sees a prompt twice: its
     prefix cache may reuse the prefixes real traffic shares (the chat template, a task's
     instructions) but never a whole prompt replayed from an earlier rate."""
-    rate, lo, hi, bisections = args.start_rate, None, None, 0
+    rate, lo, hi = args.start_rate, None, None
     for _ in range(args.max_points):
         p = measure(
             url,
@@ -160,17 +164,16 @@ def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None
               f"p99 {p.p99_s:6.2f} s, {p.errors} errors, {p.mean_output_tokens:.1f} tokens/answer  {mark}"
               + (f" (first error: {p.first_error[:120]})" if p.first_error else ""), flush=True)  # fmt: skip
         if p.passed:
-            lo = rate
+            lo = rate if lo is None else max(lo, rate)
         else:
-            hi = rate
+            hi = rate if hi is None else min(hi, rate)
         if hi is None:
             rate *= 2
         elif lo is None:
             if rate / 2 < args.start_rate / 8:
                 return
             rate /= 2
-        elif bisections < 2:
-            bisections += 1
+        elif hi - lo > args.precision * lo:
             rate = (lo + hi) / 2
         else:
             return
@@ -244,7 +247,8 @@ def main() -> None:
     ap.add_argument("--p99-target-s", type=float, default=10.0, help="P99 end-to-end latency target (s)")
     ap.add_argument("--queries", type=int, default=60, help="measured requests per rate")
     ap.add_argument("--start-rate", type=float, default=0.2, help="first offered rate (requests/s)")
-    ap.add_argument("--max-points", type=int, default=8, help="most rates per system")
+    ap.add_argument("--max-points", type=int, default=10, help="most rates per system")
+    ap.add_argument("--precision", type=float, default=0.1, help="bisect to this share of the best pass")
     ap.add_argument("--output-tokens", type=int, default=64, help="max_tokens of every request")
     ap.add_argument("--input-lengths", default="fixed:64", help="synthetic prompt tokens")
     ap.add_argument("--seed", type=int, default=0)

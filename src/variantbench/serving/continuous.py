@@ -314,7 +314,10 @@ class ContinuousBatch:
             return
         last = len(self.slots) - 1
         if idx != last:
-            self.storage[:, :, idx] = self.storage[:, :, last]
+            # only the positions the moved row uses: the rest are masked (before its start) or written
+            # before they are read (from the write index on); a whole row is max_len positions
+            start = self.slots[last].start
+            self.storage[:, :, idx, :, start : self.cur] = self.storage[:, :, last, :, start : self.cur]
             self.slots[idx] = self.slots[last]
         self.slots.pop()
         if not self.slots:
