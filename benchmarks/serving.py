@@ -14,9 +14,9 @@ schedules (seeded), the same synthetic chat prompts and the same output cap:
 (d)/(b) the engine's share. (c) and (d) run the identical Q4_1 file through the same library.
 
 Goodput: for each system the offered Poisson rate doubles from ``--start-rate`` until a rate fails,
-then is bisected until the bracket between the best pass and the lowest fail is within ``--precision``
-(10% by default) of the pass, the same relative resolution for every system. A rate *passes* when every request succeeded and the P99 end-to-end latency
-(issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
+then is bisected until the bracket between the best pass and the lowest fail is within
+``--precision`` (10% by default) of the pass, the same relative resolution for every system. A rate
+*passes* when every request succeeded and the P99 end-to-end latency (issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
 achieved at its best passing rate. With ``--queries`` 60 per rate the P99 is the slowest request:
 the stated target (10 s by default) is met by every request. Target of the issue: (b) at least 3x (a).
 
@@ -164,9 +164,9 @@ def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None
               f"p99 {p.p99_s:6.2f} s, {p.errors} errors, {p.mean_output_tokens:.1f} tokens/answer  {mark}"
               + (f" (first error: {p.first_error[:120]})" if p.first_error else ""), flush=True)  # fmt: skip
         if p.passed:
-            lo = rate if lo is None else max(lo, rate)
+            lo = rate  # a pass only ever raises it, a fail only ever lowers hi (midpoints)
         else:
-            hi = rate if hi is None else min(hi, rate)
+            hi = rate
         if hi is None:
             rate *= 2
         elif lo is None:
