@@ -16,9 +16,10 @@ schedules (seeded), the same synthetic chat prompts and the same output cap:
 Goodput: for each system the offered Poisson rate doubles from ``--start-rate`` until a rate fails,
 then is bisected until the bracket between the best pass and the lowest fail is within
 ``--precision`` (10% by default) of the pass, the same relative resolution for every system. A rate
-*passes* when every request succeeded and the P99 end-to-end latency (issue to last token) is within ``--p99-target-s``; the system's goodput is the completed requests/s
-achieved at its best passing rate. With ``--queries`` 60 per rate the P99 is the slowest request:
-the stated target (10 s by default) is met by every request. Target of the issue: (b) at least 3x (a).
+*passes* when every request succeeded and the P99 end-to-end latency (issue to last token) is within
+``--p99-target-s``; the system's goodput is the completed requests/s achieved at its best passing rate.
+With ``--queries`` 60 per rate the P99 is the slowest request: the stated target (10 s by default) is
+met by every request. Target of the issue: (b) at least 3x (a).
 
 Every rate gets prompts of its own (no prompt repeats in a run), so the prefix cache of (a) and
 (b) reuses only what real traffic shares: the chat template and a task's instructions. The share of
