@@ -1,6 +1,7 @@
 """Goodput of four ways to serve the default model, driven by our harness's server scenario.
 
-    python benchmarks/serving.py [--p99-target-s 10] [--queries 60] [--precision 0.1] [--start-rate 0.2] [--variant fp32]
+    python benchmarks/serving.py [--p99-target-s 10] [--queries 60] [--precision 0.1]
+                                 [--start-rate 0.2] [--variant fp32] [--systems a,b,c,d]
 
 Systems, each its own process on 127.0.0.1, measured one after another with the same Poisson
 schedules (seeded), the same synthetic chat prompts and the same output cap:
