@@ -1,0 +1,167 @@
+"""How much batching can buy on this machine: the ceiling of continuous batching over batch 1, from
+measured costs, for the workload of ``benchmarks/serving.py``.
+
+    python benchmarks/batching_ceiling.py [--variant fp32] [--p99-target-s 10] [--requests 30]
+
+Measures, in this process, on the variant's own continuous batch (the one ``variantbench serve``
+runs, with its prefix cache warmed on a few other prompts of the workload):
+  P      the compute of one request's prefill, alone (mean over ``--requests`` prompts never seen);
+  T      the mean answer length under greedy decoding with ``max_tokens`` = ``--output-tokens``;
+  s(r)   the time of one decode step with r rows, r = 1, 2, 4, ..., 32.
+
+and derives from them, with no queueing (so every figure is an upper bound on what a server
+achieves, not a measurement of one):
+  capacity(r) = 1 / (P + T * s(r) / r)   requests/s when every step runs r rows;
+  capacity(r) / capacity(1)              the most that batching at r rows can buy over batch 1;
+  at the P99 target: a rate lam spends lam * P of every second on prefill, so a step of r rows
+  takes s(r) / (1 - lam * P) of wall time, and the longest answer (``--output-tokens`` tokens)
+  needs ``--output-tokens`` such steps. The largest lam meeting both that latency and capacity(r)
+  is the ceiling of a batched server at the target; batch 1's is the same with r = 1.
+
+Each ceiling bounds one server's goodput; their ratio does not bound the measured (b)/(a) of
+``serving.py``, because queueing costs batch 1 a larger share of its ceiling. So the last line
+states what a ratio target needs instead: (b) can reach ``--ratio`` times (a) only where (a)'s
+goodput is below (b)'s ceiling / ``--ratio``.
+
+Prefill is compute-bound (every prompt token multiplies every weight) and costs the same in both
+servers, so it bounds what batching can buy: capacity(inf) / capacity(1) = (P + T * s(1)) / P.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from variantbench.backends.base import GenerationRequest
+from variantbench.models import parse_model, prepare_model
+from variantbench.runner import make_backend
+from variantbench.workloads import build_synthetic, parse_lengths
+from variantbench.workloads.base import tokenizer_counter
+
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # fine enough that the best ceiling is not missed
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="fp32", help="a torch-engine variant of the default model")
+    ap.add_argument("--p99-target-s", type=float, default=10.0, help="latency target (s), as serving.py's")
+    ap.add_argument("--requests", type=int, default=30, help="prompts timed for prefill and answer length")
+    ap.add_argument("--output-tokens", type=int, default=64, help="max_tokens of every request")
+    ap.add_argument("--input-lengths", default="fixed:64", help="synthetic prompt tokens")
+    ap.add_argument("--prefix-cache-mb", type=float, default=256.0, help="as the server's (0: off)")
+    ap.add_argument("--threads", type=int, default=None, help="default: all cores")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ratio", type=float, default=3.0, help="goodput ratio target of (b) over (a)")
+    args = ap.parse_args()
+    if not 1 <= args.requests <= max(ROWS):
+        ap.error(f"--requests must be within 1..{max(ROWS)}")
+
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    base = str(prepare_model(parse_model(None), status=print))
+    warm = 4
+    library = build_synthetic(warm + args.requests + max(ROWS), args.seed,
+                              lengths=parse_lengths(args.input_lengths), counter=tokenizer_counter(base))  # fmt: skip
+    backend = make_backend(base, args.variant, threads=threads)
+    backend.load()
+    requests = [
+        GenerationRequest(s.sample_id, s.prompt, messages=s.messages, max_new_tokens=args.output_tokens)
+        for s in library.samples
+    ]
+    prompts = [backend.encode(r) for r in requests]
+    batch = backend.serving_batch(max(ROWS), 1024, prefix_cache_mb=args.prefix_cache_mb)
+    if not hasattr(batch, "join"):
+        raise SystemExit(f"{args.variant}: its serving batch cannot prefill alone; use a torch variant")
+    print(f"{args.variant}, {threads} threads, prompts {args.input_lengths} tokens (chat), "
+          f"max_tokens {args.output_tokens}", flush=True)  # fmt: skip
+
+    # P: prefill alone, the prefix cache warmed on prompts of the same workload
+    for i in range(warm):
+        batch.join(("warm", i), prompts[i], args.output_tokens)
+        batch.leave(("warm", i))
+    counts = dict(getattr(batch, "prompt_tokens", {}))
+    timed = prompts[warm : warm + args.requests]
+    prefill = []
+    for i, ids in enumerate(timed):
+        prefill.append(_timed(lambda ids=ids, i=i: batch.join(("p", i), ids, args.output_tokens)))
+        batch.leave(("p", i))
+    p_s = statistics.mean(prefill)
+    tokens = ""
+    if counts:
+        computed = (batch.prompt_tokens["computed"] - counts["computed"]) / len(timed)
+        cached = (batch.prompt_tokens["cached"] - counts["cached"]) / len(timed)
+        tokens = f" ({computed:.1f} prompt tokens computed + {cached:.1f} from the prefix cache)"
+    median = statistics.median(prefill)
+    print(f"P  prefill alone: {p_s * 1e3:.0f} ms per request, median {median * 1e3:.0f} ms{tokens}")
+
+    # T: the answers' lengths, all the timed prompts decoded together to their end
+    emitted: dict[object, int] = {}
+    for i, ids in enumerate(timed):
+        _, done = batch.join(("t", i), ids, args.output_tokens)
+        emitted[("t", i)] = 1
+        if done:
+            batch.leave(("t", i))
+    while batch.active:
+        for key, _token, done in batch.step():
+            emitted[key] += 1
+            if done:
+                batch.leave(key)
+    answer = statistics.mean(emitted.values())
+    print(f"T  answer length: {answer:.1f} tokens on average, {max(emitted.values())} at most")
+
+    # s(r): decode steps with r rows, the write index where a served request's sits
+    steps: dict[int, float] = {}
+    fresh = prompts[warm + args.requests :]
+    for rows in ROWS:
+        for i in range(rows):
+            batch.join(("s", i), fresh[i], 400)
+        for _ in range(80):
+            batch.step()
+        steps[rows] = statistics.median(_timed(batch.step) for _ in range(12))
+        step = steps[rows]
+        print(f"s({rows:2d}) decode step: {step * 1e3:6.1f} ms = {step / rows * 1e3:5.1f} ms per token "
+              f"(cache index {batch.cur})", flush=True)  # fmt: skip
+        for i in range(rows):
+            batch.leave(("s", i))
+
+    target, longest = args.p99_target_s, args.output_tokens
+
+    def ceiling(rows: int) -> tuple[float, float, float]:  # capacity, longest decode, lam at the target
+        cap = 1 / (p_s + answer * steps[rows] / rows)
+        decode = longest * steps[rows]
+        # latency: longest * s(r) / (1 - lam * P) <= target  =>  lam <= (1 - decode / target) / P
+        return cap, decode, max(0.0, min(cap, (1 - decode / target) / p_s))
+
+    one, decode_one, one_at = ceiling(1)
+    print(
+        f"\nbatch 1: {p_s + answer * steps[1]:.2f} s of compute per request, capacity {one:.3f} req/s, "
+        f"{one_at:.3f} req/s at the target (longest answer's decode alone {decode_one:.1f} s)"
+    )
+    print(
+        "| rows | capacity req/s | x batch 1 | longest answer's decode s | at the target req/s | x batch 1 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    best = 0.0
+    for rows in ROWS[1:]:
+        cap, decode, at = ceiling(rows)
+        best = max(best, at)
+        print(f"| {rows} | {cap:.3f} | {cap / one:.2f} | {decode:.1f} | {at:.3f} | {at / one_at:.2f} |")
+    free = (p_s + answer * steps[1]) / p_s
+    print(f"\nceilings over batch 1's (no queueing): {free:.2f}x if decode were free, {best / one_at:.2f}x at a "
+          f"P99 of {target:g} s")  # fmt: skip
+    print(f"batched ceiling at the target: {best:.3f} req/s, so (b) >= {args.ratio:g}x (a) needs (a)'s goodput "
+          f"below {best / args.ratio:.3f} req/s ({best / args.ratio / one_at:.0%} of batch 1's ceiling)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
