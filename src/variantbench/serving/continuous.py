@@ -7,10 +7,10 @@ they end at ``cur`` (left padding: a row attends to the positions from its ``sta
 carry their rotary position already, so where they sit in the cache does not matter, only each
 row's start and its own position counter. A prompt longer than ``cur`` shifts the cache right
 first; when the write index would pass ``max_len``, the cache is compacted left by the space no
-active row uses. Decode rows
-attend over the window from the first position an active row uses, not from index 0: under steady
-load the write index climbs towards ``max_len`` long before a compaction, and attending over the
-stale head cost 30% of a step at 8-16 rows with the write index near 760 (measured here).
+active row uses. Decode rows attend over the window from the first position an active row uses,
+not from index 0: under steady load the write index climbs towards ``max_len`` long before a
+compaction, and attending over the stale head cost 30% of a step at 8-16 rows with the write index
+near 760 (measured here).
 
 Chunked prefill (``begin``): a newcomer's prompt is not prefilled alone while the running rows wait.
 Each ``step`` takes up to ``prefill_chunk`` prompt tokens of the waiting newcomers and runs them in
