@@ -37,10 +37,12 @@ import time
 import torch
 
 from variantbench.backends.base import GenerationRequest
+from variantbench.backends.registry import make_backend
 from variantbench.models import parse_model, prepare_model
-from variantbench.runner import make_backend
+from variantbench.serving.batching import batch_for
+from variantbench.variants.spec import VariantSpec
 from variantbench.workloads import build_synthetic, parse_lengths
-from variantbench.workloads.base import tokenizer_counter
+from variantbench.workloads.counting import tokenizer_counter
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # fine enough that the best ceiling is not missed
 
@@ -72,14 +74,14 @@ def main() -> None:
     warm = 4
     library = build_synthetic(warm + args.requests + max(ROWS), args.seed,
                               lengths=parse_lengths(args.input_lengths), counter=tokenizer_counter(base))  # fmt: skip
-    backend = make_backend(base, args.variant, threads=threads)
+    backend = make_backend(VariantSpec.parse(args.variant), None, base, threads=threads)
     backend.load()
     requests = [
         GenerationRequest(s.sample_id, s.prompt, messages=s.messages, max_new_tokens=args.output_tokens)
         for s in library.samples
     ]
     prompts = [backend.encode(r) for r in requests]
-    batch = backend.serving_batch(max(ROWS), 1024, prefix_cache_mb=args.prefix_cache_mb)
+    batch = batch_for(backend, max(ROWS), 1024, prefix_cache_mb=args.prefix_cache_mb)
     if not hasattr(batch, "join"):
         raise SystemExit(f"{args.variant}: its serving batch cannot prefill alone; use a torch variant")
     print(f"{args.variant}, {threads} threads, prompts {args.input_lengths} tokens (chat), "

@@ -54,7 +54,7 @@ from variantbench.models import parse_model, prepare_model
 from variantbench.models.source import default_gguf
 from variantbench.paths import cache_root
 from variantbench.workloads import build_synthetic, parse_lengths
-from variantbench.workloads.base import tokenizer_counter
+from variantbench.workloads.counting import tokenizer_counter
 
 
 @dataclass

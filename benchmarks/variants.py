@@ -37,10 +37,11 @@ def _prefill_rate(backend: Any, text: str) -> float:
 
 
 def measure(variants: list[str], repeats: int) -> dict[str, dict[str, Any]]:
+    from variantbench.backends.registry import make_backend
     from variantbench.models import parse_model, prepare_model
-    from variantbench.runner import make_backend
+    from variantbench.variants.spec import VariantSpec
     from variantbench.workloads import build_synthetic, parse_lengths
-    from variantbench.workloads.base import tokenizer_counter
+    from variantbench.workloads.counting import tokenizer_counter
 
     base = str(prepare_model(parse_model(None), status=print))
     # one document of ~512 tokens (the chat template adds a few)
@@ -52,7 +53,7 @@ def measure(variants: list[str], repeats: int) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     loaded: dict[str, Any] = {}
     for name in variants:
-        backend = make_backend(base, name)
+        backend = make_backend(VariantSpec.parse(name), None, base)
         backend.status = print
         started = time.perf_counter()
         try:

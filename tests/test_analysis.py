@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from variantbench.analysis.cost import CostModel, derive
-from variantbench.analysis.recommend import PROFILES, Scenario, recommend
+from variantbench.analysis.recommend import PROFILES, Profile, recommend
 from variantbench.metrics import significance as sig
 from variantbench.report.schema import Cost, QualityVsStandard, Resources, RunReport
 from variantbench.trackers.resources import ResourceTracker, rapl_domains, window_resources
@@ -146,7 +146,7 @@ def test_recommendation_picks_the_cheapest_that_fits_and_says_why_the_others_fai
     assert latency["variant"] == "distilled" and "P99 latency 1,800 ms" in latency["reasons"]["int8"]
     batch = recommend(runs, "fp32", PROFILES["batch"])
     assert batch["variant"] == "distilled" and "output tokens/s" in batch["reasons"]["int8"]
-    none = recommend(runs, "fp32", Scenario(name="x", p99_latency_ms=100))
+    none = recommend(runs, "fp32", Profile(name="x", p99_latency_ms=100))
     assert none["variant"] is None and all("P99" in why for why in none["reasons"].values())
     failed = RunReport(variant="onnx", status="failed", error="no kernel")
     assert "did not run: no kernel" in recommend([*runs, failed], "fp32", PROFILES["edge"])["reasons"]["onnx"]

@@ -83,7 +83,7 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == "1.1"
+    assert report["schema_version"] == "1.2"
     # the standard runs first whatever the order given: the others are compared with it
     assert [r["variant"] for r in report["runs"]] == ["fp32", "int8", "bf16"]
     assert report["workload"]["tasks"] == {"qa": 2, "classification": 2}
@@ -176,10 +176,10 @@ def test_repeats_give_an_interval_across_runs(tmp_path: Path, tiny_model_dir: Pa
     proc = _cli(
         "run", "--model", str(tiny_model_dir), "--variants", "fp32,bf16", "--repeats", "3", "--tasks", "3",
         "--max-new-tokens", "4", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
-        "--no-cold-start", "--no-isolate", "--scenario-profile", "latency", "--out", str(out),
+        "--no-cold-start", "--no-isolate", "--profile", "latency", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "chosen scenario -> " in proc.stdout
+    assert "chosen profile -> " in proc.stdout
     report = json.loads((out / "report.json").read_text())
     bf16 = report["runs"][1]
     assert len(bf16["repeats"]) == 3 and all(r["status"] == "ok" for r in bf16["repeats"])
@@ -246,7 +246,8 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--scenario", "server"], "needs --rate"),
+        (["--scenario", "server"], "load.rate_qps: required by the server scenario (set it with --rate"),
+        (["--rate", "2"], "--rate (load.rate_qps): not a setting of the single-stream scenario"),
         (["--scenario", "server", "--rate", "0"], "--rate"),
         (["--scenario", "server", "--rate", "-2"], "--rate"),
         (["--latency-percentile", "100"], "--latency-percentile"),

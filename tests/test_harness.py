@@ -10,7 +10,7 @@ import pytest
 from variantbench.backends.base import GenerationRequest
 from variantbench.backends.torch_backend import TorchBackend
 from variantbench.loadgen.harness import LoadSettings, run_scenario, sample_order
-from variantbench.loadgen.records import QueryLog, read_log
+from variantbench.records import QueryLog, read_log
 from variantbench.report.schema import Resources
 from variantbench.report.summary import summarize_run
 from variantbench.workloads import SyntheticLibrary

@@ -143,6 +143,7 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
     tiny_model_dir: Path, cache: Path, monkeypatch
 ) -> None:
     from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.serving.batching import batch_for
     from variantbench.serving.continuous import NoRoom
 
     monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
@@ -156,7 +157,7 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
     # each alone, through the engine's own generate loop
     want = {key: backend.generate([GenerationRequest(key, prompt=text, max_new_tokens=9)])[0].text
             for key, text in texts.items()}  # fmt: skip
-    batch = backend.serving_batch(max_batch=3, max_len=64)
+    batch = batch_for(backend, max_batch=3, max_len=64)
     batch.stop_ids = frozenset()
     got: dict[str, list[int]] = {}
     pending = list(prompts)
@@ -176,7 +177,7 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
         stop = next((i for i, t in enumerate(tokens) if t in backend._stop_ids), len(tokens))
         text = tok.decode(tokens[:stop], skip_special_tokens=True).strip()
         assert text == want[key], key
-    small = backend.serving_batch(max_batch=2, max_len=64)
+    small = batch_for(backend, max_batch=2, max_len=64)
     small.kv_tokens = 40  # two 20-token reservations fill it
     small.join("a", list(range(3, 13)), 10)
     small.join("b", list(range(3, 13)), 10)

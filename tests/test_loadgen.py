@@ -14,7 +14,6 @@ import pytest
 
 from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
 from variantbench.loadgen.harness import LoadSettings, run_scenario
-from variantbench.loadgen.records import QueryRecord
 from variantbench.loadgen.schedule import arrival_offsets_ns
 from variantbench.loadgen.validity import (
     binomial_cdf,
@@ -23,6 +22,7 @@ from variantbench.loadgen.validity import (
     min_queries_for,
 )
 from variantbench.metrics.windows import stable, three_sigma, windows
+from variantbench.records import QueryRecord
 from variantbench.report.schema import Resources
 from variantbench.report.summary import Criteria, summarize_run
 from variantbench.workloads import SyntheticLibrary

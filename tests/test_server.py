@@ -19,11 +19,12 @@ MESSAGES = [{"role": "user", "content": "Summarize: the town has a river and a m
 
 @pytest.fixture(scope="module")
 def backends(tiny_model_dir: Path):  # noqa: ANN201
-    from variantbench.runner import make_backend
+    from variantbench.backends.registry import make_backend
+    from variantbench.variants.spec import VariantSpec
 
     loaded = {}
     for name in ("fp32", "int8"):
-        b = make_backend(str(tiny_model_dir), name)
+        b = make_backend(VariantSpec.parse(name), None, str(tiny_model_dir))
         b.load()
         loaded[name] = b
     yield loaded
@@ -302,7 +303,7 @@ def test_router_realizes_its_calibrated_share_on_held_out_prompts(backends, tiny
     from variantbench.serving.host import build_router
     from variantbench.serving.router import split
     from variantbench.workloads import build_synthetic, parse_lengths
-    from variantbench.workloads.base import tokenizer_counter
+    from variantbench.workloads.counting import tokenizer_counter
 
     samples = build_synthetic(80, 3, lengths=parse_lengths("uniform:40-200"),
                               counter=tokenizer_counter(str(tiny_model_dir))).samples  # fmt: skip

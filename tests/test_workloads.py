@@ -11,7 +11,6 @@ from rouge_score import rouge_scorer
 import sacrebleu
 
 from variantbench.errors import UserError
-from variantbench.loadgen.records import QueryRecord
 from variantbench.metrics.quality import (
     Scored,
     exact_match,
@@ -19,10 +18,11 @@ from variantbench.metrics.quality import (
     summarize_quality,
     token_f1,
 )
+from variantbench.records import QueryRecord
 from variantbench.report.schema import Resources
 from variantbench.report.summary import compare_to_standard, summarize_run
 from variantbench.workloads import LengthDistribution, build_synthetic, parse_lengths, parse_mix
-from variantbench.workloads.base import tokenizer_counter
+from variantbench.workloads.counting import tokenizer_counter
 from variantbench.workloads.files import load_workload_file
 from variantbench.workloads.synthetic import _NEGATIVE, _POSITIVE, _TOPICS
 

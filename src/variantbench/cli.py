@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from rich.console import Console
 import typer
 
 from variantbench.errors import UserError
+
+if TYPE_CHECKING:
+    from variantbench.cli_args import RunArgs
+    from variantbench.plan import Plan
+    from variantbench.report.schema import Report
 
 app = typer.Typer(
     name="variantbench",
@@ -25,225 +30,87 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-@app.command()
-def run(
-    model: Annotated[
-        str | None,
-        typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
-    ] = None,
-    variants: Annotated[str, typer.Option(help="Comma-separated variants; see 'variantbench variants'")] = (
-        "fp32,bf16,int8"
-    ),
-    tasks: Annotated[int, typer.Option(help="Measured queries per variant")] = 10,
-    warmup: Annotated[int, typer.Option(help="Warm-up queries per variant (not counted)")] = 1,
-    out: Annotated[Path, typer.Option(help="Output folder for queries.jsonl and report.json")] = Path(
-        "variantbench-out"
-    ),
-    seed: Annotated[int, typer.Option(help="Seed of the workload and the sample order")] = 0,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Override the tasks' output token caps")] = None,
-    endpoint: Annotated[
-        str | None, typer.Option(help="measure a running OpenAI-compatible server at this URL instead")
-    ] = None,
-    endpoint_model: Annotated[
-        str | None, typer.Option(help="model name at the endpoint (default: its first)")
-    ] = None,
-    api: Annotated[str, typer.Option(help="endpoint API: completions or chat")] = "completions",
-    request_timeout: Annotated[float, typer.Option(help="per-request timeout for an endpoint (s)")] = 120.0,
-    scenario: Annotated[
-        str, typer.Option(help="single-stream | multi-stream | server | offline")
-    ] = "single-stream",
-    rate: Annotated[float | None, typer.Option(help="server: target queries/s (Poisson arrivals)")] = None,
-    burstiness: Annotated[
-        float, typer.Option(help="server: gamma shape of arrival gaps; 1.0 = Poisson")
-    ] = 1.0,
-    max_concurrency: Annotated[int | None, typer.Option(help="server: cap on outstanding queries")] = None,
-    samples_per_query: Annotated[int, typer.Option(help="multi-stream: samples per query")] = 4,
-    min_queries: Annotated[
-        int | None, typer.Option(help="run at least this many queries (default: --tasks)")
-    ] = None,
-    max_queries: Annotated[int | None, typer.Option(help="stop after this many queries")] = None,
-    min_duration: Annotated[float, typer.Option(help="run at least this many seconds")] = 0.0,
-    max_duration: Annotated[float | None, typer.Option(help="stop issuing after this many seconds")] = None,
-    latency_target_ms: Annotated[float | None, typer.Option(help="PASS/FAIL latency target (ms)")] = None,
-    ttft_target_ms: Annotated[
-        float | None, typer.Option(help="PASS/FAIL time-to-first-token target (ms)")
-    ] = None,
-    tpot_target_ms: Annotated[
-        float | None, typer.Option(help="PASS/FAIL time-per-output-token target (ms)")
-    ] = None,
-    latency_percentile: Annotated[
-        float, typer.Option(help="percentile the targets apply to, in (0,100)")
-    ] = 99.0,
-    window: Annotated[int, typer.Option(help="queries per metrics window")] = 50,
-    schedule_seed: Annotated[int, typer.Option(help="seed of the arrival schedule")] = 0,
-    max_batch_size: Annotated[
-        int, typer.Option(help="most waiting requests handed to the model at once")
-    ] = 8,
-    find_peak: Annotated[
-        bool, typer.Option(help="server: raise the rate until the latency target fails, then bisect")
-    ] = False,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
-    isolate: Annotated[bool, typer.Option(help="Run each variant in its own process")] = True,
-    workload: Annotated[
-        Path | None,
-        typer.Option(help="JSONL prompts, SQuAD JSON/JSONL or CNN/DailyMail CSV/JSONL instead of synthetic"),
-    ] = None,
-    skip_bad_lines: Annotated[
-        bool, typer.Option(help="run a workload file on its good records only, reporting the bad")
-    ] = False,
-    mix: Annotated[
-        str | None, typer.Option(help="synthetic task mix, e.g. qa=0.4,summarization=0.3,generation=0.3")
-    ] = None,
-    input_lengths: Annotated[
-        str,
-        typer.Option(help="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N"),
-    ] = "uniform:128-2048",
-    tokenizer: Annotated[
-        str | None, typer.Option(help="tokenizer folder that counts input lengths for --endpoint runs")
-    ] = None,
-    quality_threshold: Annotated[
-        float, typer.Option(help="gate: quality at least this % of the standard's (99 or 99.9)")
-    ] = 99.0,
-    length_tolerance: Annotated[
-        float, typer.Option(help="gate: mean output length within this ±% of the standard's")
-    ] = 10.0,
-    accuracy_log: Annotated[
-        float, typer.Option(help="share of timed queries whose output is kept and scored, (0,1]")
-    ] = 1.0,
-    accuracy_only: Annotated[
-        bool, typer.Option(help="score every sample once, untimed (no speed figures)")
-    ] = False,
-    fidelity: Annotated[
-        bool, typer.Option(help="logit fidelity: perplexity, KL and top-1 agreement vs the standard")
-    ] = True,
-    fidelity_text: Annotated[
-        Path | None, typer.Option(help="held-out text for logit fidelity (default: pydoc_data.topics)")
-    ] = None,
-    repeats: Annotated[int, typer.Option(help="run each variant N times: mean and 95% CI across runs")] = 1,
-    diagnose: Annotated[
-        bool, typer.Option(help="profile each variant (operator families, batch 1/8/32, ceilings)")
-    ] = True,
-    cold_start: Annotated[
-        bool, typer.Option(help="time a fresh process to its first token, model files out of the page cache")
-    ] = True,
-    cost_per_hour: Annotated[float, typer.Option(help="hardware cost per device-hour")] = 0.10,
-    devices: Annotated[int, typer.Option(help="devices the hardware cost is paid for")] = 1,
-    currency: Annotated[str, typer.Option(help="currency of the cost figures")] = "USD",
-    energy_price_kwh: Annotated[float, typer.Option(help="energy price per kWh")] = 0.15,
-    watts_per_core: Annotated[
-        float, typer.Option(help="energy estimate per busy core where RAPL/NVML cannot be read")
-    ] = 10.0,
-    scenario_profile: Annotated[
-        str | None,
-        typer.Option(help="the deployment scenario to recommend for: edge | cloud | latency | batch"),
-    ] = None,
-    need_p99_ms: Annotated[float | None, typer.Option(help="constraint: P99 latency at most this")] = None,
-    need_memory_mb: Annotated[float | None, typer.Option(help="constraint: peak memory at most this")] = None,
-    need_quality: Annotated[
-        float | None, typer.Option(help="constraint: quality at least this % of the standard's")
-    ] = None,
-    need_qps: Annotated[float | None, typer.Option(help="constraint: at least this many queries/s")] = None,
-    need_build_s: Annotated[float | None, typer.Option(help="constraint: build time at most this")] = None,
-    need_no_gpu: Annotated[bool, typer.Option(help="constraint: must run without a GPU")] = False,
-) -> None:
-    """Build the variants, measure them side by side, print the comparison and write the report."""
-    from variantbench.config import make_plan
-    from variantbench.variants import parse_variant
+def _flags_epilog() -> str:
+    from variantbench.cli_args import flag_help
+
+    rows = "\n".join(f"{flag} ({key}): {desc}" for flag, key, desc in flag_help())
+    return (
+        "Any setting of the plan: --set KEY.PATH=VALUE (repeatable; 'variantbench plan' shows them all).\n"
+        "Everyday flags, each a shortcut for --set KEY.PATH (defaults come from the plan):\n\n" + rows
+    )
+
+
+_PLAN_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["--help", "-h"]}
+
+
+def _resolve_plan(tokens: list[str], switches: tuple[str, ...] = ()) -> tuple[Plan, RunArgs]:
+    """(the plan, the parsed arguments) from ``[PLAN.yaml] [--set k=v] [--flag v]``."""
+    from variantbench.cli_args import FLAGS, parse_run_args
+    from variantbench.plan_file import load_plan
+
+    args = parse_run_args(tokens, switches)
+    hints = {loc: flag for flag, loc in FLAGS.items()}
+    return load_plan(args.plan_file, args.overrides, args.flag_of, hints), args
+
+
+def _replay_folder(plan_file: Path | None, plan: Plan, args: RunArgs) -> Path | None:
+    """Replaying OUT/plan.yaml into OUT would overwrite the run it came from: a sibling folder instead."""
+    if plan_file is None or args.sets(("out",)):
+        return None
+    out = plan.out
+    if plan_file.resolve().parent != out.resolve() or not (out / "report.json").exists():
+        return None
+    n = 1
+    while Path(f"{out}-replay-{n}").exists():
+        n += 1
+    return Path(f"{out}-replay-{n}")
+
+
+@app.command(context_settings=_PLAN_ARGS, epilog=_flags_epilog(), rich_help_panel=None)
+def run(ctx: typer.Context) -> None:
+    """Build the variants, measure them side by side, print the comparison and write the report.
+
+    variantbench run [PLAN.yaml] [--set key.path=value ...] [--variants fp32,int8] [--tasks N] [--out DIR] ...
+    """
+    from variantbench.pipeline.run import check_writable, execute
 
     console = Console(stderr=True)
     try:
-        names = tuple(v.strip() for v in variants.split(",") if v.strip())
-        from variantbench.variants.base import split_chain
-
-        for name in names:
-            split_chain(parse_variant(name))
-        plan = make_plan(
-            model=model,
-            variants=names,
-            tasks=tasks,
-            warmup=warmup,
-            out=out,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            endpoint=endpoint,
-            endpoint_model=endpoint_model,
-            api=api,
-            request_timeout=request_timeout,
-            scenario=scenario,
-            rate=rate,
-            burstiness=burstiness,
-            max_concurrency=max_concurrency,
-            samples_per_query=samples_per_query,
-            min_queries=min_queries,
-            max_queries=max_queries,
-            min_duration=min_duration,
-            max_duration=max_duration,
-            latency_target_ms=latency_target_ms,
-            ttft_target_ms=ttft_target_ms,
-            tpot_target_ms=tpot_target_ms,
-            latency_percentile=latency_percentile,
-            window=window,
-            schedule_seed=schedule_seed,
-            max_batch_size=max_batch_size,
-            find_peak=find_peak,
-            device=device,
-            threads=threads,
-            isolate=isolate,
-            workload=workload,
-            skip_bad_lines=skip_bad_lines,
-            mix=mix,
-            input_lengths=input_lengths,
-            tokenizer=tokenizer,
-            quality_threshold=quality_threshold,
-            length_tolerance=length_tolerance,
-            accuracy_log=accuracy_log,
-            accuracy_only=accuracy_only,
-            fidelity=fidelity,
-            fidelity_text=fidelity_text,
-            repeats=repeats,
-            diagnose=diagnose,
-            cold_start=cold_start,
-            cost_per_hour=cost_per_hour,
-            devices=devices,
-            currency=currency,
-            energy_price_kwh=energy_price_kwh,
-            watts_per_core=watts_per_core,
-            scenario_profile=scenario_profile,
-            need_p99_ms=need_p99_ms,
-            need_memory_mb=need_memory_mb,
-            need_quality=need_quality,
-            need_qps=need_qps,
-            need_build_s=need_build_s,
-            need_no_gpu=need_no_gpu,
-        )
+        plan, args = _resolve_plan(list(ctx.args))
+        replay = _replay_folder(args.plan_file, plan, args)
+        if replay is not None:
+            console.print(
+                f"[dim]replaying {args.plan_file} into {replay} (the original run stays as it is)[/dim]"
+            )
+            plan = plan.model_copy(update={"out": replay})
         from variantbench.models import parse_model
-        from variantbench.runner import check_writable, execute
 
-        if plan.endpoint is None:
-            parse_model(plan.model)  # fail on a bad path before anything slow
-        if plan.device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UserError(f"--device {plan.device}: torch sees no CUDA device on this machine")
+        if plan.model.endpoint is None:
+            parse_model(plan.model.source)  # fail on a bad path before anything slow
         check_writable(plan.out)
         report = execute(plan, console)
     except UserError as exc:
         _fail(str(exc))
         return
+    render_run(report, plan, console)
+
+
+def render_run(report: Report, plan: Plan, console: Console) -> None:
+    """The console end of a run: the tables, the decision, warnings; exit 1 if a variant failed."""
     from variantbench.report.console import comparison_table, quality_table, task_table
 
     stdout = Console()
     if not stdout.is_terminal:
         stdout = Console(width=160)  # a file or pipe: don't squeeze the table to 80 columns
-    if not plan.accuracy_only:
+    timed = plan.is_timed
+    if timed:
         stdout.print(comparison_table(report))
     stdout.print(quality_table(report))
-    stdout.print(task_table(report, timed=not plan.accuracy_only))
-    show_decision(stdout, report, plan.scenario_profile)
+    stdout.print(task_table(report, timed=timed))
+    show_decision(stdout, report, plan.decision.profile)
+    out = plan.out
     console.print(
-        f"wrote {plan.out / 'report.json'}, {plan.out / 'report.md'} and {plan.out / 'queries.jsonl'}"
+        f"wrote {out / 'report.json'}, {out / 'report.md'}, {out / 'queries.jsonl'} and {out / 'plan.yaml'}"
     )
     for r in report.runs:
         if r.peak is not None:
@@ -265,14 +132,30 @@ def run(
         raise typer.Exit(1)
 
 
-def show_decision(out: Console, report: object, profile: str | None) -> None:
-    """The end of a run: the diagnosis of slower variants and the recommendation per scenario."""
+@app.command("plan", context_settings=_PLAN_ARGS, epilog=_flags_epilog())
+def plan_command(ctx: typer.Context) -> None:
+    """Print the resolved plan (every default spelled out) without running it.
+
+    variantbench plan [PLAN.yaml] [--set key.path=value ...] [flags] [--show]
+    """
+    from variantbench.plan_file import dump_plan
+
+    try:
+        plan, _ = _resolve_plan(list(ctx.args), switches=("--show",))
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(dump_plan(plan), nl=False)
+
+
+def show_decision(out: Console, report: Report, profile: str | None) -> None:
+    """The end of a run: the diagnosis of slower variants and the recommendation per profile."""
     from variantbench.report.markdown import summary_lines
 
-    lines = [ln for ln in summary_lines(report) if ln.strip() and not ln.startswith("## ")]  # type: ignore[arg-type]
+    lines = [ln for ln in summary_lines(report) if ln.strip() and not ln.startswith("## ")]
     recs = getattr(report, "recommendations", {}) or {}
     if profile and profile in recs:
-        lines.append(f"chosen scenario -> {recs[profile]['summary']}")
+        lines.append(f"chosen profile -> {recs[profile]['summary']}")
     for line in lines:
         out.print(line.replace("**", ""), highlight=False, soft_wrap=True)
 
@@ -282,14 +165,14 @@ def report(
     folder: Annotated[Path, typer.Argument(help="a run's output folder (report.json, queries.jsonl, raw/)")],
 ) -> None:
     """Recompute report.json and report.md from a run's query log and raw data alone."""
-    from variantbench.runner import rebuild_report
+    from variantbench.pipeline.run import rebuild_report
 
     try:
         rebuilt = rebuild_report(folder)
     except UserError as exc:
         _fail(str(exc))
         return
-    show_decision(Console(), rebuilt, rebuilt.plan.get("scenario_profile"))
+    show_decision(Console(), rebuilt, (rebuilt.plan.get("decision") or {}).get("profile"))
     Console(stderr=True).print(f"wrote {folder / 'report.json'} and {folder / 'report.md'}")
 
 
@@ -389,6 +272,7 @@ def build(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from variantbench.models import parse_model, prepare_model
+    from variantbench.paths import bytes_under
     from variantbench.variants import parse_variant
     from variantbench.variants.base import engine_of, split_chain
     from variantbench.variants.build import manifest_of, materialize, variants_root
@@ -408,8 +292,7 @@ def build(
                 if engine is not None:  # an export for another engine (of the built model, if any)
                     source = materialize(base, build_part, seed=seed, say=say) if build_part else base
                     path = engine.artifact(source, variants_root(), say=say)
-                    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-                    size = sum(f.stat().st_size for f in files)
+                    size = bytes_under(path)
                     console.print(f"{name}: {size / 1e6:.1f} MB -> {path}", highlight=False, soft_wrap=True)
                     continue
                 if not build_part:
@@ -442,7 +325,7 @@ def build(
 
 def _calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:
     from variantbench.workloads import build_synthetic, parse_lengths
-    from variantbench.workloads.base import tokenizer_counter
+    from variantbench.workloads.counting import tokenizer_counter
 
     try:
         lengths = parse_lengths(input_lengths)

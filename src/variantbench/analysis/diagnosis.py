@@ -221,7 +221,9 @@ def diagnose_backend(backend: Any, param_bytes: int, parameters: int | None, cou
         out["achieved_gbps"] = round(param_bytes * b1 / 1e9, 3)
         if parameters:
             out["achieved_gflops"] = round(2 * parameters * b1 / 1e9, 3)
-    decoder = getattr(backend, "_decoder", None)
+    from variantbench.backends.base import Profilable
+
+    decoder = backend.decoder if isinstance(backend, Profilable) else None
     if decoder is not None:
         out.update(profile_decoder(decoder))
     else:

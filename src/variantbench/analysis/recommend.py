@@ -1,81 +1,25 @@
-"""The scenario matrix as data, and the recommendation: which measured variant to deploy, and why.
+"""The recommendation: which measured variant to deploy for a deployment profile, and why.
 
-A scenario is a set of constraints, one per dimension of the seeds' matrix:
-
-* latency sensitivity: P99 latency at most ``p99_latency_ms``, or at most ``p99_vs_standard`` x the
-  standard's P99 (measured on this machine, so the profile travels between machines);
-* resource constraint: peak resident memory at most ``memory_budget_bytes``; ``gpu`` False = the
-  variant must run without a GPU;
-* task complexity: quality at least ``quality_floor`` x the standard's (composite score on the
-  same samples), and optionally per task (``task_floors``);
-* update frequency: the variant's build time at most ``build_budget_s`` (a model that is re-trained
-  often cannot wait for a long distillation);
-* throughput need: at least ``min_qps`` queries/s, or ``min_throughput_vs_standard`` x the standard's
-  output tokens/s.
-
-Among the variants that meet every constraint, the cheapest per million output tokens wins; every
-other variant gets one line saying which constraint it failed, with the numbers.
+Among the variants that meet every constraint of the profile (``analysis/profiles.py``), the
+cheapest per million output tokens wins; every other variant gets one line saying which constraint
+it failed, with the numbers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from variantbench.analysis.profiles import PROFILES, Profile
 
-
-class Scenario(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    description: str = ""
-    p99_latency_ms: float | None = Field(None, gt=0)
-    p99_vs_standard: float | None = Field(None, gt=0)
-    memory_budget_bytes: int | None = Field(None, gt=0)
-    gpu: bool = True  # False: must run without a GPU
-    quality_floor: float | None = Field(None, ge=0)  # x the standard's composite quality
-    task_floors: dict[str, float] = Field(default_factory=dict)  # task -> x the standard's task score
-    build_budget_s: float | None = Field(None, ge=0)
-    min_qps: float | None = Field(None, gt=0)
-    min_throughput_vs_standard: float | None = Field(None, gt=0)
-
-
-GIB = 1 << 30
-PROFILES: dict[str, Scenario] = {
-    "edge": Scenario(
-        name="edge",
-        description="edge device: no GPU, 1 GiB of memory, quality within 10% of the standard",
-        memory_budget_bytes=GIB,
-        gpu=False,
-        quality_floor=0.90,
-    ),
-    "cloud": Scenario(
-        name="cloud",
-        description="cloud service under frequent model updates: standard quality (99%), builds under 10 min",
-        quality_floor=0.99,
-        build_budget_s=600,
-    ),
-    "latency": Scenario(
-        name="latency",
-        description="latency-sensitive: P99 no worse than the standard's, quality within 5%",
-        p99_vs_standard=1.0,
-        quality_floor=0.95,
-    ),
-    "batch": Scenario(
-        name="batch",
-        description="batch/offline: at least the standard's output tokens/s, quality within 5%",
-        min_throughput_vs_standard=1.0,
-        quality_floor=0.95,
-    ),
-}
+__all__ = ["PROFILES", "Profile", "check", "recommend"]
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
 
 
-def check(run: Any, standard: Any, s: Scenario) -> list[str]:
-    """The constraints ``run`` (a RunReport) fails in scenario ``s``, one line each (empty: it fits)."""
+def check(run: Any, standard: Any, s: Profile) -> list[str]:
+    """The constraints ``run`` (a RunReport) fails in profile ``s``, one line each (empty: it fits)."""
     if run.status != "ok":
         return [f"did not run: {run.error}"]
     fails: list[str] = []
@@ -91,7 +35,7 @@ def check(run: Any, standard: Any, s: Scenario) -> list[str]:
     if s.memory_budget_bytes is not None and (rss is None or rss > s.memory_budget_bytes):
         fails.append(f"peak memory {_mb(rss or 0)} > budget {_mb(s.memory_budget_bytes)}")
     if not s.gpu and str(run.backend.get("device", "cpu")).startswith("cuda"):
-        fails.append("runs on a GPU; this scenario has none")
+        fails.append("runs on a GPU; this profile has none")
     if s.quality_floor is not None:
         vs = run.quality_vs_standard
         ratio = 1.0 if run.variant == (standard.variant if standard else None) else (vs.ratio if vs else None)
@@ -108,7 +52,7 @@ def check(run: Any, standard: Any, s: Scenario) -> list[str]:
         elif mine / theirs < floor:
             fails.append(f"{task} quality {mine / theirs:.1%} of the standard's < floor {floor:.0%}")
     if s.build_budget_s is not None:
-        build_s = (run.backend.get("built") or {}).get("build_s") or 0.0
+        build_s = run.resources.build_s or (run.backend.get("built") or {}).get("build_s") or 0.0
         if build_s > s.build_budget_s:
             fails.append(f"build time {build_s:,.0f} s > budget {s.build_budget_s:,.0f} s")
     qps = run.throughput.qps
@@ -122,8 +66,8 @@ def check(run: Any, standard: Any, s: Scenario) -> list[str]:
     return fails
 
 
-def recommend(runs: list[Any], standard_name: str, s: Scenario) -> dict[str, Any]:
-    """Rank the measured variants for one scenario: the cheapest that meets every constraint."""
+def recommend(runs: list[Any], standard_name: str, s: Profile) -> dict[str, Any]:
+    """Rank the measured variants for one profile: the cheapest that meets every constraint."""
     standard = next((r for r in runs if r.variant == standard_name and r.status == "ok"), None)
     reasons: dict[str, str] = {}
     fit = []

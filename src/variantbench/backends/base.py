@@ -59,6 +59,44 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+# ---- optional capabilities, declared: the pipeline checks them with isinstance, never hasattr ------
+
+
+@runtime_checkable
+class ReportsStatus(Protocol):
+    """Says what a long step of ``load()`` is doing (a build, an export) through ``status(message)``."""
+
+    status: Any
+
+
+@runtime_checkable
+class LogProbs(Protocol):
+    """Next-token log-probabilities of given token ids (logit fidelity)."""
+
+    def token_log_probs(self, ids: list[int]) -> Any: ...
+
+
+@runtime_checkable
+class Profilable(Protocol):
+    """Our own decoder, whose labelled regions the diagnosis profiles by operator family."""
+
+    @property
+    def decoder(self) -> Any: ...
+
+
+@runtime_checkable
+class ConcurrentBackend(Protocol):
+    """Serves many requests at once (HTTP): the harness drives ``agenerate`` from an event loop."""
+
+    concurrent: bool
+
+    async def astart(self) -> None: ...
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def aclose(self) -> None: ...
+
+
 def encode_request(tok: Any, request: GenerationRequest) -> list[int]:
     """Token ids of a request with a Hugging Face tokenizer, through its chat template if it has one.
 

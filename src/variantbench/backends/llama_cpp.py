@@ -28,20 +28,24 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
+from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact, plain_artifact
 
 
 class LlamaCppBackend:
     def __init__(
         self,
         model_dir: str,
-        variant: str,
+        variant: str | VariantSpec,
         threads: int | None = None,
         build_seed: int = 0,
         n_ctx: int = 4096,
         gguf_file: str | None = None,
+        artifact: Artifact | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
-        self.name = variant
+        self.spec = variant if isinstance(variant, VariantSpec) else VariantSpec.parse(variant)
+        self.name = self.spec.name
+        self.artifact = artifact
         self.threads = threads
         self.build_seed = build_seed
         self.n_ctx = n_ctx
@@ -76,18 +80,22 @@ class LlamaCppBackend:
         )
 
     def load(self) -> LoadInfo:
+        from variantbench.variants.gguf import GgufVariant, gguf_file_type, require_llama_cpp
+
+        if self.gguf_file:  # a given file: nothing to build, but the recipe must still be a GGUF one
+            ensure_artifact(
+                self.model_dir, self.spec, plain_artifact(self.model_dir), engine_type=GgufVariant
+            )
+            self.artifact = plain_artifact(self.model_dir)
+        else:
+            self.artifact = ensure_artifact(self.model_dir, self.spec, self.artifact, self.build_seed,
+                                            self.status, engine_type=GgufVariant)  # fmt: skip
         t0 = time.perf_counter_ns()
         from transformers import AutoTokenizer
 
-        from variantbench.variants.build import engine_source, variants_root
-        from variantbench.variants.gguf import GgufVariant, gguf_file_type, require_llama_cpp
-
         llama_cpp = require_llama_cpp()
-        engine, source = engine_source(self.model_dir, self.name, GgufVariant, self.build_seed, self.status)
-        if self.gguf_file:
-            path = Path(self.gguf_file)
-        else:
-            path = engine.artifact(source, variants_root(), say=self.status)
+        engine, source = self.spec.engine, self.artifact.source_dir
+        path = Path(self.gguf_file or self.artifact.engine_path or "")
         self._path = path
         self._tokenizer = AutoTokenizer.from_pretrained(source)
         self._llm = self._open(path, self.n_ctx)
@@ -125,20 +133,17 @@ class LlamaCppBackend:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def serving_batch(self, max_batch: int, max_len: int, prefill_chunk: int = 256,
-                      prefix_cache_mb: float = 0.0) -> Any:  # fmt: skip
-        """Continuous batching on llama.cpp (``variantbench serve``): up to ``max_batch`` sequences per decode.
+    @property
+    def llm(self) -> Any:
+        """The loaded ``llama_cpp.Llama`` (serving batches its low-level context)."""
+        return self._llm
 
-        Prompts are prefilled at admission in llama.cpp's own ``n_batch`` chunks; ``prefill_chunk`` and
-        ``prefix_cache_mb`` (the torch engine's chunked prefill beside decode rows, and prefix caching)
-        do not apply here: on this CPU a llama.cpp step costs rows x one row's time, so riding a
-        prompt along a decode step saves nothing."""
-        from variantbench.serving.llama_cpp_batch import LlamaCppBatch
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
 
-        if self._llm is None:
-            raise RuntimeError("serving_batch() before load()")
-        return LlamaCppBatch(self._llm, max_batch=max_batch, max_len=min(max_len, self.n_ctx),
-                             stop_ids=self._stop_ids, threads=self._threads())  # fmt: skip
+    def threads(self) -> int:
+        return self._threads()
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])

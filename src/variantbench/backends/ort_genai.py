@@ -21,12 +21,16 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
+from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
 
 
 class OrtGenAIBackend:
-    def __init__(self, model_dir: str, variant: str, threads: int | None = None, build_seed: int = 0) -> None:
+    def __init__(self, model_dir: str, variant: str | VariantSpec, threads: int | None = None, build_seed: int = 0,
+                 artifact: Artifact | None = None) -> None:  # fmt: skip
         self.model_dir = str(model_dir)
-        self.name = variant
+        self.spec = variant if isinstance(variant, VariantSpec) else VariantSpec.parse(variant)
+        self.name = self.spec.name
+        self.artifact = artifact
         self.threads = threads
         self.build_seed = build_seed
         self.status: Any = None
@@ -41,17 +45,17 @@ class OrtGenAIBackend:
         return self.__dict__.copy()
 
     def load(self) -> LoadInfo:
-        t0 = time.perf_counter_ns()
-        from transformers import AutoTokenizer
-
-        from variantbench.variants.build import engine_source, variants_root
         from variantbench.variants.onnx import OnnxExport, require_genai
 
         require_genai()
+        self.artifact = ensure_artifact(self.model_dir, self.spec, self.artifact, self.build_seed, self.status,
+                                        engine_type=OnnxExport)  # fmt: skip
+        t0 = time.perf_counter_ns()
         import onnxruntime_genai as og
+        from transformers import AutoTokenizer
 
-        engine, source = engine_source(self.model_dir, self.name, OnnxExport, self.build_seed, self.status)
-        folder = engine.artifact(source, variants_root(), say=self.status)
+        engine, source = self.spec.engine, self.artifact.source_dir
+        folder = Path(self.artifact.engine_path or "")
         config = og.Config(str(folder))
         if self.threads:
             config.set_provider_option("cpu", "intra_op_num_threads", str(self.threads))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 import time
 from typing import Any
 
 from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo, encode_request
 from variantbench.errors import UserError
+from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
 
 
 class TorchBackend:
@@ -20,13 +20,16 @@ class TorchBackend:
     def __init__(
         self,
         model_dir: str,
-        variant: str = "fp32",
+        variant: str | VariantSpec = "fp32",
         device: str = "cpu",
         threads: int | None = None,
         build_seed: int = 0,
+        artifact: Artifact | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
-        self.name = variant
+        self.spec = variant if isinstance(variant, VariantSpec) else VariantSpec.parse(variant)
+        self.name = self.spec.name
+        self.artifact = artifact
         self.device = device
         self.threads = threads
         self.build_seed = build_seed
@@ -45,15 +48,17 @@ class TorchBackend:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def load(self) -> LoadInfo:
+        # built before the startup clock starts (a no-op when the build step handed it over)
+        self.artifact = ensure_artifact(
+            self.model_dir, self.spec, self.artifact, self.build_seed, self.status
+        )
         t0 = time.perf_counter_ns()
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         from variantbench.backends.engine import LlamaDecoder
-        from variantbench.variants import apply_recipes, parse_variant, weight_format
-        from variantbench.variants.base import split_chain
-        from variantbench.variants.build import manifest_of, materialize
+        from variantbench.variants import apply_recipes, weight_format
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
         from variantbench.variants.measure import param_bytes
 
@@ -62,13 +67,8 @@ class TorchBackend:
             torch.set_num_threads(self.threads)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
-        recipes = parse_variant(self.name)
-        build, load_time = split_chain(recipes)
-        source = self.model_dir
-        built: dict[str, Any] | None = None
-        if build:  # structural recipes: a cached folder (built now if it is not there yet)
-            source = str(materialize(self.model_dir, build, seed=self.build_seed, say=self.status))
-            built = manifest_of(Path(source))
+        recipes, load_time = self.spec.recipes, self.spec.load_chain
+        source, built = self.artifact.source_dir, self.artifact.manifest
         self._tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         parameters = sum(p.numel() for p in model.parameters())  # before quantization repacks them
@@ -142,17 +142,18 @@ class TorchBackend:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    def serving_batch(self, max_batch: int, max_len: int, prefill_chunk: int = 256,
-                      prefix_cache_mb: float = 0.0) -> Any:  # fmt: skip
-        """A continuous batch over this variant's decoder (``variantbench serve``), with chunked
-        prefill beside the decode rows and, when ``prefix_cache_mb`` > 0, prefix caching."""
-        from variantbench.serving.continuous import ContinuousBatch
+    @property
+    def decoder(self) -> Any:
+        """Our LlamaDecoder (the diagnosis profiles it; serving batches over it)."""
+        return self._decoder
 
-        if self._decoder is None:
-            raise RuntimeError("serving_batch() before load()")
-        limit = min(max_len, self._max_positions or max_len)
-        return ContinuousBatch(self._decoder, max_batch=max_batch, max_len=limit, stop_ids=self._stop_ids,
-                               prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)  # fmt: skip
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    @property
+    def max_positions(self) -> int | None:
+        return self._max_positions
 
     # ---- generation -----------------------------------------------------------------------------
 

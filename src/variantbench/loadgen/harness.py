@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any
 
-from variantbench.backends.base import Backend, GenerationRequest, GenerationResult
-from variantbench.loadgen.records import QueryLog, QueryRecord
+from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
 from variantbench.loadgen.schedule import arrival_offsets_ns
+from variantbench.records import QueryLog, QueryRecord
 from variantbench.workloads.base import Sample, SampleLibrary
 
 SCENARIOS = ("single-stream", "multi-stream", "server", "offline")
@@ -299,7 +299,7 @@ def run_scenario(
     records: list[QueryRecord] = []
     state = {"completed": 0, "last_progress": 0}
     total_for_progress = planned if planned < 1_000_000 else s.min_queries
-    is_async = bool(getattr(backend, "concurrent", False) and hasattr(backend, "agenerate"))
+    is_async = isinstance(backend, ConcurrentBackend) and backend.concurrent
     # in-process systems: a thread semaphore; HTTP systems: an asyncio one inside the loop's dispatcher
     slots = threading.Semaphore(s.max_concurrency) if s.max_concurrency and not is_async else None
 

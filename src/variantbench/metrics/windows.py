@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 import statistics
 
-from variantbench.loadgen.records import QueryRecord
 from variantbench.metrics.latency import percentile
+from variantbench.records import QueryRecord
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 
 class _Model(BaseModel):
@@ -98,6 +98,7 @@ class Resources(_Model):
         None  # fresh process start to first token, model files out of the page cache
     )
     startup_cold_note: str | None = None  # how "cold" was arranged, or why it could not be
+    build_s: float | None = None  # building the variant (structural steps, export), before any startup
     peak_rss_bytes: int | None = None  # while serving: warm-up and measured queries
     mean_rss_bytes: float | None = None
     load_peak_rss_bytes: int | None = None  # high-water mark of the process up to ready

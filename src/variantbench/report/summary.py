@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
-from variantbench.loadgen.records import QueryRecord
 from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import Scored, agreement, summarize_quality
 from variantbench.metrics.windows import stable, three_sigma, windows
+from variantbench.records import QueryRecord
 from variantbench.report.schema import (
     LagDist,
     LatencyDist,

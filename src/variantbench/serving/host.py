@@ -81,12 +81,10 @@ class ServeOptions:
 
 def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
     """A loaded backend behind its own executor (not started: the app's lifespan starts it)."""
-    make_batch = getattr(backend, "serving_batch", None)
-    if make_batch is None:
-        raise UserError(f"{name}: its engine ({backend.info().get('backend', '?')}) cannot be served yet; "
-                        "serve torch or gguf-* variants")  # fmt: skip
-    batch = make_batch(options.max_batch_size, options.max_len, prefill_chunk=options.prefill_chunk,
-                       prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
+    from variantbench.serving.batching import batch_for
+
+    batch = batch_for(backend, options.max_batch_size, options.max_len, prefill_chunk=options.prefill_chunk,
+                      prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
                          policies=dict(options.policies), name=name)  # fmt: skip
@@ -95,13 +93,17 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
 
 def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, device: str = "cpu",
                 threads: int | None = None, say: Callable[[str], None] = lambda _m: None) -> dict[str, ServedModel]:  # fmt: skip
-    from variantbench.runner import make_backend
+    from variantbench.backends.base import ReportsStatus
+    from variantbench.backends.registry import make_backend
+    from variantbench.variants.spec import VariantSpec, build_variant
 
     models: dict[str, ServedModel] = {}
     try:
         for name in variants:
-            backend = make_backend(model_dir, name, device=device, threads=threads)
-            if hasattr(backend, "status"):
+            spec = VariantSpec.parse(name)
+            artifact = build_variant(model_dir, spec, say=say) if spec.needs_build else None
+            backend = make_backend(spec, artifact, model_dir, device=device, threads=threads)
+            if isinstance(backend, ReportsStatus):
                 backend.status = say
             say(f"loading {name}")
             info = backend.load()

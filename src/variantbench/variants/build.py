@@ -21,7 +21,7 @@ import shutil
 import time
 from typing import Any
 
-from variantbench.paths import cache_root
+from variantbench.paths import bytes_under, cache_root
 from variantbench.variants.base import Recipe
 
 CALIBRATION_PROMPTS = 8
@@ -92,7 +92,7 @@ def cached_build(final: Path, make: Callable[[Path], dict[str, Any]]) -> Path:
         manifest = make(partial)
         manifest.update(
             key=final.name,
-            bytes_on_disk=_folder_bytes(partial),
+            bytes_on_disk=bytes_under(partial),
             build_s=round(time.perf_counter() - started, 2),
             versions=_versions(),
         )
@@ -158,10 +158,6 @@ def _context(
         artifact_dir=str(artifact_dir),
         progress=progress,
     )
-
-
-def _folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def materialize(
@@ -232,22 +228,22 @@ def stale_entries(cache: Path | None = None, everything: bool = False) -> list[t
         if not entry.is_dir():
             continue
         if ".partial-" in entry.name:
-            found.append((entry, _folder_bytes(entry), "interrupted build"))
+            found.append((entry, bytes_under(entry), "interrupted build"))
             continue
         try:
             manifest = json.loads((entry / "manifest.json").read_text())
         except (OSError, ValueError):
-            found.append((entry, _folder_bytes(entry), "no readable manifest"))
+            found.append((entry, bytes_under(entry), "no readable manifest"))
             continue
         if manifest.get("versions") != current:
-            found.append((entry, _folder_bytes(entry), "built with other library versions"))
+            found.append((entry, bytes_under(entry), "built with other library versions"))
         elif everything:
-            found.append((entry, _folder_bytes(entry), "built variant"))
+            found.append((entry, bytes_under(entry), "built variant"))
     if everything:
         for sub, why in (("fidelity", "fidelity reference"), ("models", "converted base model")):
             folder = root / sub
             for entry in sorted(folder.iterdir()) if folder.exists() else []:
-                size = _folder_bytes(entry) if entry.is_dir() else entry.stat().st_size
+                size = bytes_under(entry)
                 found.append((entry, size, why))
     return found
 
@@ -262,22 +258,3 @@ def remove_entries(entries: list[tuple[Path, int, str]]) -> int:
             path.unlink(missing_ok=True)
         freed += size
     return freed
-
-
-def engine_source(
-    base_dir: str, variant: str, expected: type[Recipe], seed: int = 0, say: Any = None
-) -> tuple[Any, str]:
-    """(the engine recipe ending ``variant``, the folder it exports from): the base, or the built model.
-
-    Shared by every engine backend (ONNX Runtime GenAI, llama.cpp); ``expected`` is the engine's recipe class.
-    """
-    from variantbench.errors import UserError
-    from variantbench.variants.base import engine_of, parse_variant, split_chain
-
-    recipes = parse_variant(variant)
-    engine = engine_of(recipes)
-    if not isinstance(engine, expected):
-        raise UserError(f"{variant} is not a variant of this engine ({expected.__name__})")
-    build, _ = split_chain(recipes)
-    source = str(materialize(base_dir, build, seed=seed, say=say)) if build else str(base_dir)
-    return engine, source

@@ -79,24 +79,12 @@ class Workload:
 def token_stats(counts: Sequence[int]) -> dict[str, int | None]:
     if not counts:
         return {"p50": None, "p99": None, "min": None, "max": None}
-    ordered = sorted(counts)
+    from variantbench.metrics.latency import percentile
 
     def rank(p: float) -> int:
-        return ordered[max(1, math.ceil(p / 100 * len(ordered))) - 1]
+        return int(percentile(counts, p) or 0)
 
-    return {"p50": rank(50), "p99": rank(99), "min": ordered[0], "max": ordered[-1]}
-
-
-def tokenizer_counter(tokenizer_dir: str) -> TokenCounter:
-    """Counts tokens of a text with the model's own tokenizer (no special tokens, no chat template)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-    def count(text: str) -> int:
-        return len(tok(text, add_special_tokens=False)["input_ids"])
-
-    return count
+    return {"p50": rank(50), "p99": rank(99), "min": min(counts), "max": max(counts)}
 
 
 def approximate_counter(text: str) -> int:

@@ -1,0 +1,186 @@
+"""The everyday flags of ``run`` and ``plan``: each one is a shortcut for ``--set KEY.PATH=VALUE``.
+
+The table maps a flag to a key path of the plan and nothing else: the default, the type, the range
+and the help text all come from the plan's field (``plan.py``), so a flag cannot drift from it.
+Errors name the flag and the key path (``--rate (load.rate_qps): ...``). Boolean settings take
+``--flag`` / ``--no-flag``; ``--isolate`` / ``--no-isolate`` choose the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from variantbench.errors import UserError
+from variantbench.plan import SCENARIO_TYPES, Plan
+from variantbench.plan_file import Location, parse_override
+
+# flag -> key path; "bool" flags also take --no-FLAG
+FLAGS: dict[str, Location] = {
+    "--out": ("out",),
+    "--model": ("model", "source"),
+    "--variants": ("variants",),
+    "--standard": ("standard",),
+    "--endpoint": ("model", "endpoint"),
+    "--endpoint-model": ("model", "endpoint_model"),
+    "--api": ("model", "api"),
+    "--request-timeout": ("model", "request_timeout_s"),
+    "--tokenizer": ("model", "tokenizer"),
+    "--device": ("model", "device"),
+    "--threads": ("model", "threads"),
+    "--build-seed": ("model", "build_seed"),
+    "--tasks": ("load", "tasks"),
+    "--workload": ("workload", "file"),
+    "--skip-bad-lines": ("workload", "skip_bad_lines"),
+    "--mix": ("workload", "mix"),
+    "--input-lengths": ("workload", "input_lengths"),
+    "--max-new-tokens": ("workload", "max_new_tokens"),
+    "--scenario": ("load", "scenario"),
+    "--rate": ("load", "rate_qps"),
+    "--burstiness": ("load", "burstiness"),
+    "--max-concurrency": ("load", "max_concurrency"),
+    "--samples-per-query": ("load", "samples_per_query"),
+    "--max-batch-size": ("load", "max_batch_size"),
+    "--find-peak": ("load", "find_peak"),
+    "--warmup": ("limits", "warmup"),
+    "--min-queries": ("limits", "min_queries"),
+    "--max-queries": ("limits", "max_queries"),
+    "--min-duration": ("limits", "min_duration_s"),
+    "--max-duration": ("limits", "max_duration_s"),
+    "--latency-target-ms": ("targets", "latency_ms"),
+    "--ttft-target-ms": ("targets", "ttft_ms"),
+    "--tpot-target-ms": ("targets", "tpot_ms"),
+    "--latency-percentile": ("targets", "percentile"),
+    "--window": ("targets", "window"),
+    "--seed": ("seeds", "workload"),
+    "--schedule-seed": ("seeds", "schedule"),
+    "--quality-threshold": ("quality", "threshold"),
+    "--length-tolerance": ("quality", "length_tolerance"),
+    "--accuracy-log": ("quality", "accuracy_log"),
+    "--accuracy-only": ("quality", "accuracy_only"),
+    "--fidelity": ("quality", "fidelity"),
+    "--fidelity-text": ("quality", "fidelity_text"),
+    "--repeats": ("analysis", "repeats"),
+    "--diagnose": ("analysis", "diagnose"),
+    "--cold-start": ("analysis", "cold_start"),
+    "--cost-per-hour": ("cost", "per_hour"),
+    "--devices": ("cost", "devices"),
+    "--currency": ("cost", "currency"),
+    "--energy-price-kwh": ("cost", "energy_price_kwh"),
+    "--watts-per-core": ("cost", "watts_per_core"),
+    "--profile": ("decision", "profile"),
+    "--need-p99-ms": ("decision", "need_p99_ms"),
+    "--need-memory-mb": ("decision", "need_memory_mb"),
+    "--need-quality": ("decision", "need_quality"),
+    "--need-qps": ("decision", "need_qps"),
+    "--need-build-s": ("decision", "need_build_s"),
+    "--need-no-gpu": ("decision", "need_no_gpu"),
+}
+# flags whose on/off choose a value other than true/false
+SWITCHES: dict[str, tuple[Location, Any, Any]] = {
+    "--isolate": (("execution", "executor"), "local", "inline"),
+}
+
+
+def _field(loc: Location) -> Any:
+    """The pydantic field at a key path (the load union's first scenario that has it)."""
+    model: Any = Plan
+    info = None
+    for part in loc:
+        if model is Plan and part == "load":
+            info, model = None, None
+            continue
+        if model is None:  # inside the load union
+            info = next(
+                (t.model_fields[part] for t in SCENARIO_TYPES.values() if part in t.model_fields), None
+            )
+            model = None
+            continue
+        info = model.model_fields[part]
+        annotation = info.annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return info
+
+
+def _is_bool(loc: Location) -> bool:
+    info = _field(loc)
+    return info is not None and info.annotation is bool
+
+
+def flag_help() -> list[tuple[str, str, str]]:
+    """(flag, key path, help) for every flag, from the plan's own field descriptions."""
+    rows = []
+    for flag, loc in FLAGS.items():
+        info = _field(loc)
+        desc = (info.description or "") if info is not None else ""
+        if loc == ("load", "scenario"):
+            desc = " | ".join(SCENARIO_TYPES)
+        shown = f"{flag} / --no-{flag[2:]}" if _is_bool(loc) else flag
+        rows.append((shown, ".".join(loc), desc))
+    for flag, (loc, on, off) in SWITCHES.items():
+        rows.append((f"{flag} / --no-{flag[2:]}", ".".join(loc), f"{on} (on) or {off} (off)"))
+    return rows
+
+
+@dataclass
+class RunArgs:
+    plan_file: Path | None = None
+    overrides: list[tuple[Location, Any]] = field(default_factory=list)
+    flag_of: dict[Location, str] = field(default_factory=dict)
+    extra: dict[str, bool] = field(default_factory=dict)  # command-specific switches (plan --show)
+
+    def sets(self, loc: Location) -> bool:
+        return any(o == loc for o, _ in self.overrides)
+
+
+def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs:
+    """``[PLAN.yaml] [--set k=v ...] [--flag value ...]`` -> the plan file and its overrides, in order."""
+    args = RunArgs()
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        if not token.startswith("--"):
+            if args.plan_file is not None:
+                raise UserError(f"one plan file at most; got {args.plan_file} and {token}")
+            args.plan_file = Path(token)
+            continue
+        name, eq, inline = token.partition("=")
+        if name in switches:
+            args.extra[name] = True
+            continue
+
+        def value(name: str = name, eq: str = eq, inline: str = inline) -> str:
+            nonlocal i
+            if eq:
+                return inline
+            if i >= len(tokens):
+                raise UserError(f"{name} needs a value")
+            i += 1
+            return tokens[i - 1]
+
+        if name == "--set":
+            loc, parsed = parse_override(value())
+            args.overrides.append((loc, parsed))
+            continue
+        negated = name.startswith("--no-") and f"--{name[5:]}" in {**FLAGS, **SWITCHES}
+        base = f"--{name[5:]}" if negated else name
+        if base in SWITCHES:
+            loc, on, off = SWITCHES[base]
+            args.overrides.append((loc, off if negated else on))
+            args.flag_of[loc] = name
+            continue
+        loc = FLAGS.get(base)
+        if loc is None:
+            raise UserError(f"unknown option {name}; see 'variantbench run --help' (or --set key.path=value)")
+        if _is_bool(loc):
+            args.overrides.append((loc, not negated))
+        elif negated:
+            raise UserError(f"unknown option {name}: {base} takes a value")
+        else:
+            args.overrides.append((loc, value()))  # a string: pydantic converts it to the field's type
+        args.flag_of[loc] = base
+    return args

@@ -1,0 +1,218 @@
+"""The one report assembly: raw job results + the query log -> Report, used by ``run`` and ``report``.
+
+Pure function of the saved data (``raw/*.json``, ``queries.jsonl``, the plan and the run's header),
+so ``variantbench report DIR`` recomputes exactly what the run wrote, find-peak runs included (their
+raw results name the run id of the trial they summarize).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from variantbench.pipeline.settings import criteria_for
+from variantbench.plan import Plan
+from variantbench.records import QueryRecord
+from variantbench.report.schema import AB, PeakSearch, Report, Resources, RunReport
+from variantbench.report.summary import compare_to_standard, summarize_run
+
+
+def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records: Iterable[QueryRecord],
+             order: list[str] | None = None) -> Report:  # fmt: skip
+    """The report: ``header`` (model, workload, environment, ceilings) with one run per variant.
+
+    ``raws`` are the measure jobs' results (``records`` popped into the log), failed ones as
+    ``{"variant", "repeat", "status": "failed", "error"}``; ``order`` is the variants' order, the
+    standard first (default: as the raws come).
+    """
+    raws = list(raws)
+    by_run: dict[str, list[QueryRecord]] = {}
+    for rec in records:
+        by_run.setdefault(rec.run_id, []).append(rec)
+    order = order or list(dict.fromkeys(raw["variant"] for raw in raws))
+    report = header.model_copy(update={"runs": [], "recommendations": {}})
+    standard: tuple[RunReport, list[QueryRecord]] | None = None
+    standard_repeats: list[RunReport] = []
+    for variant in order:
+        repeats: list[RunReport] = []
+        for raw in sorted((r for r in raws if r["variant"] == variant), key=lambda r: r.get("repeat", 0)):
+            if raw.get("status") == "failed":
+                repeats.append(RunReport(variant=variant, status="failed", error=raw.get("error")))
+                continue
+            recs = [r for r in by_run.get(raw["run_id"], []) if r.variant in (variant, raw.get("name"))]
+            run = summarize_payload(raw, recs, plan, standard, header.ceilings)
+            if raw.get("repeat", 0) == 0 and variant == header.standard and run.status == "ok":
+                standard = (run, recs)
+            repeats.append(run)
+        if not repeats:
+            continue
+        run = combine_repeats(repeats, standard_repeats)
+        if variant == header.standard:
+            standard_repeats = repeats
+        wall = next((r.get("wall_s") for r in raws if r["variant"] == variant and r.get("wall_s")), None)
+        if wall is not None:
+            run.backend.setdefault("wall_s", wall)
+        report.runs.append(run)
+    finalize(report, plan)
+    return report
+
+
+def summarize_payload(
+    payload: dict[str, Any],
+    records: list[QueryRecord],
+    plan: Plan,
+    standard: tuple[RunReport, list[QueryRecord]] | None = None,
+    ceilings: dict[str, Any] | None = None,
+) -> RunReport:
+    """One variant's run from its raw results and its query records: summary, resources, cost, A/B."""
+    from variantbench.analysis.cost import derive
+    from variantbench.metrics.windows import windows as make_windows
+    from variantbench.report.schema import Cost, Diagnosis
+    from variantbench.trackers.resources import ResourceSample, window_resources
+
+    fidelity = payload.get("fidelity") or {}
+    criteria = criteria_for(plan, payload["seeds"], target_qps=payload["load_settings"]["rate_qps"])
+    raw = dict(payload["resources"])
+    raw.setdefault("startup_warm_s", raw.get("startup_s"))
+    run = summarize_run(
+        payload.get("name") or payload["variant"],
+        records,
+        Resources(**{k: v for k, v in raw.items() if k in Resources.model_fields}),
+        backend=payload["load"].get("details", {}),
+        scenario=payload.get("scenario", plan.scenario),
+        criteria=criteria,
+        fidelity={k: fidelity.get(k) for k in ("perplexity", "kl_mean", "kl_p99", "top1_agreement")},
+    )
+    if payload.get("build"):
+        run.backend["build"] = payload["build"]
+    if payload.get("peak_search"):
+        passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
+        run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
+    samples = [ResourceSample(t, rss, cpu) for t, rss, cpu in payload.get("resource_samples") or []]
+    if samples and run.windows:
+        spans = [(w.start_ns, w.end_ns) for w in make_windows(records, criteria.window)]
+        for w, extra in zip(
+            run.windows, window_resources(samples, spans, raw.get("cores") or 1), strict=True
+        ):
+            w.mean_rss_bytes, w.mean_cpu_util = extra["mean_rss_bytes"], extra["mean_cpu_util"]
+    ok_tokens = sum(r.output_tokens for r in records if r.status == "ok")
+    run.cost = Cost(**derive(cost_model(plan), duration_s=run.duration_s, output_tokens=ok_tokens,
+                             energy_j=raw.get("energy_j"), tracked_wall_s=raw.get("wall_s"),
+                             quality=run.quality.composite))  # fmt: skip
+    if payload.get("is_standard"):
+        run.quality_vs_standard = compare_to_standard(run, records, run, records)
+    elif standard is not None:
+        std_run, std_records = standard
+        if std_run.variant == run.variant:
+            run.quality_vs_standard = compare_to_standard(run, records, run, records)
+        elif std_run.status == "ok":
+            run.quality_vs_standard = compare_to_standard(
+                run, records, std_run, std_records,
+                threshold=plan.quality.threshold / 100, length_tolerance=plan.quality.length_tolerance / 100,
+            )  # fmt: skip
+            run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
+    diag = payload.get("diagnosis")
+    if diag:
+        run.diagnosis = Diagnosis(
+            **{k: v for k, v in diag.items() if k in Diagnosis.model_fields},
+            ceiling_gflops=(ceilings or {}).get("matmul_gflops"),
+            ceiling_gbps=(ceilings or {}).get("memory_gbps"),
+        )
+    return run
+
+
+def cost_model(plan: Plan) -> Any:
+    from variantbench.analysis.cost import CostModel
+
+    c = plan.cost
+    return CostModel(cost_per_hour=c.per_hour, devices=c.devices, currency=c.currency,
+                     energy_price_kwh=c.energy_price_kwh, watts_per_core=c.watts_per_core)  # fmt: skip
+
+
+def ab_compare(variant: str, records: list[QueryRecord], standard: str, std_records: list[QueryRecord],
+               seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Ratios with bootstrap intervals and a Mann-Whitney test, per query, variant over standard."""
+    from variantbench.metrics import significance as sig
+
+    def lat(rs: list[QueryRecord]) -> list[float]:
+        return [r.latency_from_scheduled_ms for r in rs if r.status == "ok"]
+
+    a, b = lat(records), lat(std_records)
+    p50 = sig.bootstrap_ratio(a, b, 50, seed=seed)
+    p99 = sig.bootstrap_ratio(a, b, 99, seed=seed + 1)
+    ok_a = [r for r in records if r.status == "ok"]
+    ok_b = [r for r in std_records if r.status == "ok"]
+    tput = sig.bootstrap_rate_ratio([r.output_tokens for r in ok_a], [r.latency_ms for r in ok_a],
+                                    [r.output_tokens for r in ok_b], [r.latency_ms for r in ok_b],
+                                    seed=seed + 2)  # fmt: skip
+    p = sig.mann_whitney(a, b)
+    word = sig.verdict(p50, p)
+    return {
+        "standard": standard,
+        "latency_p50_ratio": p50,
+        "latency_p99_ratio": p99,
+        "throughput_ratio": tput,
+        "p_value": p,
+        "verdict": word,
+        "summary": sig.describe(variant, standard, p50, tput, p, word),
+    }
+
+
+def combine_repeats(repeats: list[RunReport], standard_repeats: list[RunReport]) -> RunReport:
+    """The first run is the report's row; with repeats, each run's key numbers and, against the
+    standard's run of the same index, the mean and 95% CI of the ratios across runs."""
+    from variantbench.metrics.significance import across_runs
+
+    main = repeats[0]
+    if len(repeats) < 2:
+        return main
+    main.repeats = [
+        {
+            "repeat": i,
+            "status": r.status,
+            "latency_p50_ms": r.latency_ms.p50,
+            "latency_p99_ms": r.latency_ms.p99,
+            "output_tokens_per_s": r.throughput.output_tokens_per_s,
+        }  # fmt: skip
+        for i, r in enumerate(repeats)
+    ]
+    if main.ab_vs_standard is not None and standard_repeats:
+        p50, tput = [], []
+        for mine, theirs in zip(repeats, standard_repeats, strict=False):
+            if mine.status == theirs.status == "ok" and mine.latency_ms.p50 and theirs.latency_ms.p50:
+                p50.append(mine.latency_ms.p50 / theirs.latency_ms.p50)
+                if mine.throughput.output_tokens_per_s and theirs.throughput.output_tokens_per_s:
+                    tput.append(mine.throughput.output_tokens_per_s / theirs.throughput.output_tokens_per_s)
+        main.ab_vs_standard.across_repeats = {
+            "latency_p50_ratio": across_runs(p50),
+            "throughput_ratio": across_runs(tput),
+        }
+    return main
+
+
+def finalize(report: Report, plan: Plan) -> None:
+    """What needs every run: each diagnosis explained against the standard's, the recommendations."""
+    from variantbench.analysis.diagnosis import explain
+    from variantbench.analysis.recommend import recommend
+
+    std = report.run(report.standard)
+    for run in report.runs:
+        if run.diagnosis is None or std is None or std.diagnosis is None or run.status != "ok":
+            continue
+        if run.diagnosis.summary.startswith("diagnosis failed"):
+            continue
+        if run.variant == std.variant:
+            run.diagnosis.summary = f"{run.variant}: the standard (baseline of the comparison)"
+            continue
+
+        def ratio(mine: float | None, theirs: float | None) -> float | None:
+            return mine / theirs if mine and theirs else None
+
+        run.diagnosis.summary = explain(
+            run.variant, run.diagnosis.model_dump(), std.variant, std.diagnosis.model_dump(),
+            ratio(run.speed.decode_tokens_per_s, std.speed.decode_tokens_per_s),
+            ratio(run.speed.prefill_tokens_per_s, std.speed.prefill_tokens_per_s),
+        )  # fmt: skip
+    report.recommendations = {
+        name: recommend(report.runs, report.standard, p) for name, p in plan.decision.profiles().items()
+    }

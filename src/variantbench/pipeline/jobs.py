@@ -1,0 +1,120 @@
+"""The jobs a run is made of: build a variant, measure it, time its cold start.
+
+A job is plain, picklable data with an ``id`` and a ``run(emit)`` that returns a picklable dict:
+an executor may run it in this process, in a spawned process (``executors.py``), or on another
+machine, and the pipeline merges results by id. No job reads global state: everything it needs
+is in its fields (the variant as a parsed ``VariantSpec``, never its name to parse again).
+
+``emit`` receives progress events: ``("status", text)`` and ``("progress", phase, done, total)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from variantbench.loadgen.harness import LoadSettings
+from variantbench.report.summary import Criteria
+from variantbench.variants.spec import Artifact, VariantSpec
+from variantbench.workloads.base import Workload
+
+Emit = Callable[[tuple[Any, ...]], None]
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """Everything the variant needs on disk, built (or found in the cache) before it is measured."""
+
+    base_dir: str
+    spec: VariantSpec
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"build:{self.spec.name}"
+
+    def run(self, emit: Emit) -> dict[str, Any]:
+        from variantbench.variants.spec import build_variant
+
+        emit(("status", "building" if self.spec.needs_build else "nothing to build"))
+        artifact = build_variant(
+            self.base_dir, self.spec, seed=self.seed, say=lambda m: emit(("status", m)),
+            progress=lambda phase, done, total: emit(("progress", phase, done, total)),
+        )  # fmt: skip
+        return {"artifact": artifact}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    model: str | None = None
+    api: str = "completions"
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class MeasureJob:
+    """One variant, one repeat: load, warm up, run the scenario, fidelity and diagnosis; raw results."""
+
+    variant: str  # the name in the report (the endpoint's model name for an endpoint run)
+    workload: Workload
+    log_path: str
+    load: LoadSettings
+    spec: VariantSpec | None = None  # None: an endpoint
+    artifact: Artifact | None = None
+    base_dir: str = ""
+    device: str = "cpu"
+    threads: int | None = None
+    endpoint: Endpoint | None = None
+    find_peak: bool = False
+    criteria: Criteria = field(default_factory=Criteria)
+    fidelity: Any = None  # metrics.fidelity.FidelitySpec, or None to skip logit fidelity
+    is_standard: bool = False
+    watts_per_core: float = 10.0
+    diagnose: bool = False
+    counters: str = ""  # whether perf cache counters work here (analysis.diagnosis.cache_counters)
+    repeat: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"measure:{self.variant}#{self.repeat}"
+
+    def backend(self) -> Any:
+        if self.endpoint is not None:
+            from variantbench.backends.openai_http import OpenAIBackend
+
+            e = self.endpoint
+            return OpenAIBackend(e.url, model=e.model, api=e.api, timeout_s=e.timeout_s)
+        from variantbench.backends.registry import make_backend
+
+        assert self.spec is not None
+        return make_backend(self.spec, self.artifact, self.base_dir, device=self.device, threads=self.threads)
+
+    def run(self, emit: Emit) -> dict[str, Any]:
+        from variantbench.pipeline.measure import measure_variant
+
+        return measure_variant(self, emit)
+
+
+@dataclass(frozen=True)
+class ColdStartJob:
+    """Start-to-first-token in a fresh process, the variant's files dropped from the page cache."""
+
+    spec: VariantSpec
+    artifact: Artifact
+    base_dir: str
+    device: str = "cpu"
+    threads: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"cold-start:{self.spec.name}"
+
+    def run(self, emit: Emit) -> dict[str, Any]:
+        from variantbench.analysis.startup import cold_start
+
+        emit(("status", "cold start in a fresh process"))
+        seconds, note = cold_start(self.spec, self.artifact, self.base_dir, threads=self.threads,
+                                   device=self.device)  # fmt: skip
+        return {"startup_cold_s": seconds, "startup_cold_note": note}

@@ -1,0 +1,169 @@
+"""Inside a measure job: load one built variant, warm it up, run the scenario; raw results only.
+
+No statistics here: the job returns the query records and what the trackers saw, and the
+assembly (``assemble.py``) computes every summary, in the run and again in ``variantbench report``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+import resource
+from typing import TYPE_CHECKING, Any
+
+from variantbench.backends.base import LogProbs, ReportsStatus
+from variantbench.loadgen.harness import RunLog, run_scenario
+from variantbench.records import QueryLog
+from variantbench.report.schema import Resources
+from variantbench.report.summary import summarize_run
+
+if TYPE_CHECKING:
+    from variantbench.pipeline.jobs import Emit, MeasureJob
+
+
+def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
+    from variantbench.trackers.resources import ResourceTracker
+
+    backend = job.backend()
+    if isinstance(backend, ReportsStatus):
+        backend.status = lambda msg: emit(("status", msg))
+    emit(("status", f"loading {job.variant}"))
+    try:
+        load = backend.load()
+        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+        def progress(phase: str, done: int, total: int) -> None:
+            emit(("progress", phase, done, total))
+
+        trials: list[dict[str, Any]] = []
+        gpu = (
+            int(job.device.split(":")[1])
+            if job.device.startswith("cuda:")
+            else (0 if job.device == "cuda" else None)
+        )
+        tracker = ResourceTracker(watts_per_core=job.watts_per_core, gpu_index=gpu)
+        with QueryLog(job.log_path) as log, tracker:
+            if job.find_peak:
+                result, trials = find_peak(job, backend, log, progress, emit)
+            else:
+                result = run_scenario(backend, job.workload, job.load, log, progress=progress)
+        fidelity = None
+        if job.fidelity is not None and isinstance(backend, LogProbs):
+            from variantbench.metrics.fidelity import measure
+
+            emit(("status", "logit fidelity"))
+            fidelity = measure(backend, job.fidelity, job.is_standard)
+        diagnosis = None
+        if job.diagnose and job.endpoint is None:
+            from variantbench.analysis.diagnosis import diagnose_backend
+
+            emit(("status", "diagnosis: profile and batch efficiency"))
+            try:
+                diagnosis = diagnose_backend(
+                    backend, load.param_bytes, load.details.get("parameters"), job.counters
+                )
+            except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
+                diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
+    finally:
+        backend.close()
+    res = tracker.result
+    build = job.artifact
+    return {
+        "variant": job.variant,
+        "is_standard": job.is_standard,
+        "repeat": job.repeat,
+        # the run id of the records summarized: under find-peak, the best trial's ("RID@Xqps")
+        "run_id": str(result.settings.get("run_id", job.load.run_id)),
+        "scenario": job.load.scenario,
+        "diagnosis": diagnosis,
+        "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
+        "name": backend.name,
+        "peak_search": trials,
+        "load_settings": {"rate_qps": result.target_qps},
+        "records": [r.to_json() for r in result.records],
+        "seeds": result.seeds,
+        "fidelity": fidelity,
+        "load": asdict(load),
+        "build": None
+        if build is None
+        else {
+            "build_s": build.build_s,
+            "built_now": build.built_now,
+            "build_wall_s": build.build_wall_s,
+        },  # fmt: skip
+        "resources": {
+            "startup_s": load.startup_s,
+            "param_bytes": load.param_bytes,
+            "load_peak_rss_bytes": load_peak,
+            "peak_rss_bytes": res.peak_rss_bytes,
+            "mean_rss_bytes": res.mean_rss_bytes,
+            "mean_cpu_util": res.mean_cpu_util,
+            "cpu_s": res.cpu_s,
+            "wall_s": res.wall_s,
+            "cores": res.cores,
+            "energy_j": res.energy_j,
+            "energy_source": res.energy_source,
+            "watts_per_core": res.watts_per_core,
+            "gpu": res.gpu,
+            "startup_warm_s": load.startup_s,
+            "disk_bytes": _disk_bytes(build),
+            "build_s": build.build_s if build is not None else None,
+        },
+    }
+
+
+def _disk_bytes(artifact: Any) -> int | None:
+    """Bytes on disk of what the variant loads beyond the base folder (built folder or export)."""
+    from variantbench.paths import bytes_under
+
+    if artifact is None:
+        return None
+    if artifact.manifest and artifact.manifest.get("bytes_on_disk") and not artifact.engine_path:
+        return int(artifact.manifest["bytes_on_disk"])
+    if artifact.engine_path:
+        return bytes_under(Path(artifact.engine_path))
+    return None
+
+
+def find_peak(job: MeasureJob, backend: Any, log: QueryLog, progress: Any, emit: Emit) -> tuple[RunLog, list]:
+    """Raise the server rate until the latency target fails, then bisect; keep the best passing run.
+
+    A rate passes when every configured target passes (early stopping included) with no errors.
+    Doubling from the plan's rate up (halving down if it fails at once), then bisection until the
+    bracket is within 10%, at most 10 trials. Each trial's records carry the run id ``RID@RATEqps``.
+    """
+    lo: float | None = None
+    hi: float | None = None
+    rate = float(job.load.rate_qps or 1.0)
+    best = last = None
+    trials: list[dict[str, Any]] = []
+    for _ in range(10):
+        emit(("status", f"peak search at {rate:.3g} queries/s"))
+        settings = replace(job.load, rate_qps=rate, run_id=f"{job.load.run_id}@{rate:.4g}qps")
+        result = run_scenario(backend, job.workload, settings, log, progress=progress)
+        summary = summarize_run(job.variant, result.records, Resources(), scenario="server",
+                                criteria=replace(job.criteria, target_qps=rate))  # fmt: skip
+        checks = summary.validity.checks
+        passed = (
+            bool(checks)
+            and all(c["result"] == "PASS" for c in checks.values())
+            and not summary.queries.errors
+        )
+        trials.append({"rate_qps": rate, "passed": passed, "latency_p99_ms": summary.latency_ms.p99,
+                       "achieved_qps": summary.achieved_qps, "reasons": summary.validity.reasons,
+                       "run_id": settings.run_id})  # fmt: skip
+        last = result
+        if passed:
+            lo, best = rate, result
+        else:
+            hi = rate
+        if lo is not None and hi is not None:
+            if (hi - lo) / hi < 0.10:
+                break
+            rate = (lo + hi) / 2
+        elif lo is not None:
+            rate *= 2
+        else:
+            rate /= 2
+    assert last is not None
+    return (best or last), trials

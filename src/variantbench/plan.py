@@ -1,0 +1,332 @@
+"""The plan of a run: one frozen pydantic model, the only place where a default lives.
+
+A plan is read from YAML (``variantbench run PLAN.yaml``), changed by ``--set key.path=value`` and by
+the CLI's everyday flags (each a shortcut for one key path, ``cli_flags.py``), and written back fully
+resolved as ``OUT/plan.yaml``, so ``variantbench run OUT/plan.yaml`` replays the run: the same
+samples, the same sample order and arrival schedule, the same settings.
+
+Pure: validation imports no measuring code, writes no environment, probes no device and touches
+no network (the import contracts in ``pyproject.toml`` hold it to that). What needs the machine
+(does the model folder exist, is there a GPU, are the variant names known) is checked by the
+pipeline before anything is measured.
+
+The load pattern is a tagged union on ``load.scenario``: each scenario carries its own knobs, so a
+``rate_qps`` on a single-stream run is an error naming the key instead of a silently ignored value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+from variantbench.analysis.profiles import PROFILES, Profile
+
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelPlan(_Section):
+    source: str | None = Field(None, description="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")  # fmt: skip
+    endpoint: str | None = Field(
+        None, description="measure a running OpenAI-compatible server at this URL instead"
+    )
+    endpoint_model: str | None = Field(None, description="model name at the endpoint (default: its first)")
+    api: Literal["completions", "chat"] = Field(
+        "completions", description="endpoint API: completions or chat"
+    )
+    request_timeout_s: float = Field(120.0, gt=0, description="per-request timeout for an endpoint (s)")
+    tokenizer: str | None = Field(
+        None, description="tokenizer folder that counts input lengths for endpoint runs"
+    )
+    device: str = Field("cpu", description="cpu or cuda[:N]")
+    threads: PositiveInt | None = Field(None, description="torch threads (default: torch's own choice)")
+    build_seed: int = Field(0, description="seed of the calibration and distillation text of built variants")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "cpu" and not (value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        return value
+
+
+class WorkloadPlan(_Section):
+    file: Path | None = Field(None, description="JSONL prompts, SQuAD JSON/JSONL or CNN/DailyMail CSV/JSONL instead of synthetic")  # fmt: skip
+    skip_bad_lines: bool = Field(
+        False, description="run a workload file on its good records only, reporting the bad"
+    )
+    mix: str | None = Field(
+        None, description="synthetic task mix, e.g. qa=0.4,summarization=0.3,generation=0.3"
+    )
+    input_lengths: str = Field("uniform:128-2048", description="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N")  # fmt: skip
+    max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' output token caps")
+
+    @field_validator("mix")
+    @classmethod
+    def _mix(cls, value: str | None) -> str | None:
+        if value is not None:
+            from variantbench.workloads.base import TASKS
+            from variantbench.workloads.lengths import parse_mix
+
+            parse_mix(value, TASKS)
+        return value
+
+    @field_validator("input_lengths")
+    @classmethod
+    def _lengths(cls, value: str) -> str:
+        from variantbench.workloads.lengths import parse_lengths
+
+        parse_lengths(value)
+        return value
+
+    @model_validator(mode="after")
+    def _file_or_mix(self) -> WorkloadPlan:
+        if self.file is not None and self.mix is not None:
+            raise ValueError("mix shapes the synthetic workload; a workload file brings its own tasks")
+        return self
+
+
+class _Scenario(_Section):
+    tasks: PositiveInt = Field(10, description="measured queries per variant: the synthetic workload's size, one pass over it")  # fmt: skip
+
+
+class SingleStream(_Scenario):
+    """The next query is issued when the last completes."""
+
+    scenario: Literal["single-stream"] = "single-stream"
+
+
+class MultiStream(_Scenario):
+    """Each query is ``samples_per_query`` samples issued together; its latency is the slowest's."""
+
+    scenario: Literal["multi-stream"] = "multi-stream"
+    samples_per_query: PositiveInt = Field(4, description="multi-stream: samples per query")
+    max_batch_size: PositiveInt = Field(
+        8, description="most waiting requests handed to an in-process model at once"
+    )
+
+
+class Server(_Scenario):
+    """Arrivals on a seeded schedule (Poisson, or gamma gaps), latency from the scheduled time."""
+
+    scenario: Literal["server"] = "server"
+    rate_qps: float = Field(..., gt=0, description="server: target queries/s")
+    burstiness: float = Field(1.0, gt=0, description="server: gamma shape of the arrival gaps; 1.0 = Poisson")
+    max_concurrency: PositiveInt | None = Field(None, description="server: cap on outstanding queries")
+    max_batch_size: PositiveInt = Field(
+        8, description="most waiting requests handed to an in-process model at once"
+    )
+    find_peak: bool = Field(False, description="server: raise the rate until a target fails, then bisect")
+
+
+class Offline(_Scenario):
+    """Every sample issued at once; the system batches as it likes."""
+
+    scenario: Literal["offline"] = "offline"
+    max_batch_size: PositiveInt = Field(
+        8, description="most waiting requests handed to an in-process model at once"
+    )
+
+
+LoadPlan = Annotated[SingleStream | MultiStream | Server | Offline, Field(discriminator="scenario")]
+SCENARIO_TYPES: dict[str, type[_Scenario]] = {
+    "single-stream": SingleStream, "multi-stream": MultiStream, "server": Server, "offline": Offline,
+}  # fmt: skip
+SCENARIOS = tuple(SCENARIO_TYPES)
+
+
+class LimitsPlan(_Section):
+    warmup: int = Field(1, ge=0, description="warm-up queries per variant (not counted)")
+    min_queries: PositiveInt | None = Field(
+        None, description="run at least this many queries (default: the workload's size)"
+    )
+    max_queries: PositiveInt | None = Field(None, description="stop after this many queries")
+    min_duration_s: float = Field(0.0, ge=0, description="run at least this many seconds")
+    max_duration_s: float | None = Field(None, gt=0, description="stop issuing after this many seconds")
+    drain_timeout_s: float = Field(
+        600.0, gt=0, description="after the last issue, how long outstanding queries may take"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LimitsPlan:
+        if (
+            self.max_queries is not None
+            and self.min_queries is not None
+            and self.max_queries < self.min_queries
+        ):
+            raise ValueError("max_queries is below min_queries")
+        if self.max_duration_s is not None and self.max_duration_s < self.min_duration_s:
+            raise ValueError("max_duration_s is below min_duration_s")
+        return self
+
+
+class TargetsPlan(_Section):
+    latency_ms: float | None = Field(None, gt=0, description="PASS/FAIL latency target (ms)")
+    ttft_ms: float | None = Field(None, gt=0, description="PASS/FAIL time-to-first-token target (ms)")
+    tpot_ms: float | None = Field(None, gt=0, description="PASS/FAIL time-per-output-token target (ms)")
+    percentile: float = Field(99.0, gt=0, lt=100, description="percentile the targets apply to, in (0,100)")
+    window: PositiveInt = Field(50, description="queries per metrics window")
+
+
+class SeedsPlan(_Section):
+    workload: int = Field(0, description="seed of the synthetic workload and of the sample order")
+    schedule: int = Field(0, description="seed of the arrival schedule")
+
+
+class QualityPlan(_Section):
+    threshold: float = Field(99.0, gt=0, le=100, description="gate: quality at least this % of the standard's (99 or 99.9)")  # fmt: skip
+    length_tolerance: float = Field(10.0, ge=0, le=100, description="gate: mean output length within this ±% of the standard's")  # fmt: skip
+    accuracy_log: float = Field(1.0, gt=0, le=1, description="share of timed queries whose output is kept and scored, (0,1]")  # fmt: skip
+    accuracy_only: bool = Field(False, description="score every sample once, untimed (no speed figures)")
+    fidelity: bool = Field(
+        True, description="logit fidelity: perplexity, KL and top-1 agreement vs the standard"
+    )
+    fidelity_text: Path | None = Field(None, description="held-out text for logit fidelity (default: pydoc_data.topics)")  # fmt: skip
+
+
+class AnalysisPlan(_Section):
+    repeats: PositiveInt = Field(1, description="run each variant N times: mean and 95% CI across runs")
+    diagnose: bool = Field(
+        True, description="profile each variant (operator families, batch 1/8/32, ceilings)"
+    )
+    cold_start: bool = Field(True, description="time a fresh process to its first token, model files out of the page cache")  # fmt: skip
+
+
+class CostPlan(_Section):
+    per_hour: float = Field(0.10, ge=0, description="hardware cost per device-hour")
+    devices: PositiveInt = Field(1, description="devices the hardware cost is paid for")
+    currency: str = Field("USD", description="currency of the cost figures")
+    energy_price_kwh: float = Field(0.15, ge=0, description="energy price per kWh")
+    watts_per_core: float = Field(10.0, gt=0, description="energy estimate per busy core where RAPL/NVML cannot be read")  # fmt: skip
+
+
+class DecisionPlan(_Section):
+    profile: str | None = Field(
+        None, description=f"the deployment profile to recommend for: {' | '.join(PROFILES)}"
+    )
+    need_p99_ms: float | None = Field(None, gt=0, description="constraint: P99 latency at most this")
+    need_memory_mb: float | None = Field(None, gt=0, description="constraint: peak memory at most this")
+    need_quality: float | None = Field(None, gt=0, le=100, description="constraint: quality at least this % of the standard's")  # fmt: skip
+    need_qps: float | None = Field(None, gt=0, description="constraint: at least this many queries/s")
+    need_build_s: float | None = Field(None, ge=0, description="constraint: build time at most this")
+    need_no_gpu: bool = Field(False, description="constraint: must run without a GPU")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, value: str | None) -> str | None:
+        if value is not None and value not in PROFILES:
+            raise ValueError(f"unknown deployment profile {value!r}; known: {', '.join(PROFILES)}")
+        return value
+
+    def custom_profile(self) -> Profile | None:
+        """The profile given by the need_* constraints, or None when none was given."""
+        if not any((self.need_p99_ms, self.need_memory_mb, self.need_quality, self.need_qps,
+                    self.need_build_s is not None, self.need_no_gpu)):  # fmt: skip
+            return None
+        return Profile(
+            name="custom",
+            description="the constraints given in the plan (need_*)",
+            p99_latency_ms=self.need_p99_ms,
+            memory_budget_bytes=int(self.need_memory_mb * 1e6) if self.need_memory_mb else None,
+            gpu=not self.need_no_gpu,
+            quality_floor=self.need_quality / 100 if self.need_quality else None,
+            build_budget_s=self.need_build_s,
+            min_qps=self.need_qps,
+        )
+
+    def profiles(self) -> dict[str, Profile]:
+        custom = self.custom_profile()
+        return {**PROFILES, **({"custom": custom} if custom is not None else {})}
+
+
+class ExecutionPlan(_Section):
+    executor: Literal["local", "inline"] = Field("local", description="local: each job in its own process; inline: in this process")  # fmt: skip
+
+
+class Plan(_Section):
+    """Everything a run needs, every default spelled out. ``Plan()`` is the default comparison."""
+
+    out: Path = Field(Path("variantbench-out"), description="output folder for plan.yaml, queries.jsonl and the reports")  # fmt: skip
+    model: ModelPlan = ModelPlan()
+    variants: tuple[str, ...] = Field(
+        DEFAULT_VARIANTS, description="variant recipe chains; see 'variantbench variants'"
+    )
+    standard: str | None = Field(
+        None, description="the baseline variant (default: fp32 if listed, else the first)"
+    )
+    workload: WorkloadPlan = WorkloadPlan()
+    load: LoadPlan = SingleStream()
+    limits: LimitsPlan = LimitsPlan()
+    targets: TargetsPlan = TargetsPlan()
+    seeds: SeedsPlan = SeedsPlan()
+    quality: QualityPlan = QualityPlan()
+    analysis: AnalysisPlan = AnalysisPlan()
+    cost: CostPlan = CostPlan()
+    decision: DecisionPlan = DecisionPlan()
+    execution: ExecutionPlan = ExecutionPlan()
+
+    @field_validator("variants", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "fp32,int8" from a flag or --set
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            value = tuple(str(v).strip() for v in value if v is not None and str(v).strip())
+        return value
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one variant is required")
+        dupes = sorted({v for v in value if value.count(v) > 1})
+        if dupes:
+            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        if self.standard is not None and self.standard not in self.variants:
+            raise ValueError(f"standard {self.standard!r} is not among the variants")
+        if isinstance(self.load, Server) and self.load.find_peak:
+            if not self.targets.latency_ms:
+                raise ValueError("load.find_peak needs targets.latency_ms (the target the peak must meet)")
+            if self.quality.accuracy_only:
+                raise ValueError(
+                    "quality.accuracy_only scores every sample once, untimed: it has no peak to find"
+                )
+        if self.limits.max_queries is not None and self.limits.max_queries < self.min_queries:
+            raise ValueError("limits.max_queries is below the minimum number of queries")
+        return self
+
+    # ---- what follows from the plan -------------------------------------------------------------
+
+    @property
+    def standard_variant(self) -> str:
+        if self.model.endpoint:
+            return self.variants[0]
+        if self.standard is not None:
+            return self.standard
+        return "fp32" if "fp32" in self.variants else self.variants[0]
+
+    @property
+    def min_queries(self) -> int:
+        return self.limits.min_queries or self.load.tasks
+
+    @property
+    def is_timed(self) -> bool:
+        return not self.quality.accuracy_only
+
+    @property
+    def scenario(self) -> str:
+        return "offline" if self.quality.accuracy_only else self.load.scenario
+
+    def ordered_variants(self) -> tuple[str, ...]:
+        """The standard first: the others are compared with its answers and its distributions."""
+        std = self.standard_variant
+        return (std, *(v for v in self.variants if v != std))
