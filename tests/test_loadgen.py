@@ -231,3 +231,31 @@ def test_summary_reports_validity_against_a_latency_target() -> None:
                          criteria=Criteria(latency_target_ms=60, min_queries=500))  # fmt: skip
     assert slow.validity.verdict == "INVALID" and "reduce target QPS" in slow.validity.recommendations
     assert slow.achieved_qps == pytest.approx(1.0)
+
+
+class EngineClockSystem(SleepSystem):
+    """Reports its own account of each request (as llama.cpp's perf counters do): 8 ms of 'eval'."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results = super().generate(requests)
+        for r in results:
+            r.engine_timings = {"eval_ms": 8.0, "eval_tokens": 2}
+        return results
+
+
+def test_the_engines_own_clock_reaches_the_report_beside_ours() -> None:
+    library = SyntheticLibrary(n=4, seed=0)
+    result = run_scenario(EngineClockSystem(0.01), library, LoadSettings(min_queries=5, warmup=0))
+    assert all(r.engine_timings == {"eval_ms": 8.0, "eval_tokens": 2} for r in result.records)
+    assert QueryRecord.from_json(result.records[0].to_json()).engine_timings == {
+        "eval_ms": 8.0,
+        "eval_tokens": 2,
+    }
+    run = summarize_run("clock", result.records, Resources())
+    timings = run.engine_timings
+    assert timings is not None and timings["eval_ms"] == 40.0 and timings["eval_tokens"] == 10
+    assert timings["queries"] == 5 and timings["measured_ms"] >= 50.0  # each query slept 10 ms
+    assert timings["engine_ms_share"] == pytest.approx(40.0 / timings["measured_ms"], rel=1e-3)
+    assert 0.5 < timings["engine_ms_share"] < 0.81  # 8 of each query's 10+ ms
+    assert summarize_run("plain", run_scenario(SleepSystem(0.001), library, LoadSettings(min_queries=2, warmup=0)).records,
+                         Resources()).engine_timings is None  # fmt: skip

@@ -65,7 +65,7 @@ def test_a_variant_built_in_the_run_reports_build_s_apart_from_startup(
     env = {"VARIANTBENCH_CACHE": str(tmp_path / "cache")}
     common = ("--model", str(tiny_model_dir), "--variants", "fp32,drop-layers:1+int8", "--tasks", "2",
               "--max-new-tokens", "2", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
-              "--no-cold-start")  # fmt: skip
+              "--no-cold-start", "--no-isolate")  # fmt: skip
     runs = []
     for name in ("fresh", "cached"):
         proc = _cli("run", *common, "--out", str(tmp_path / name), env=env)

@@ -332,3 +332,23 @@ def test_batch_size_adapts_to_what_a_row_more_still_buys() -> None:
     for _ in range(1000):
         linear.observe(1, 0.0125)
     assert linear.useful_batch(32) == 1 and 16 in linear.by_size
+
+
+def test_a_long_running_worker_keeps_only_its_recent_steps(decoder, monkeypatch) -> None:  # noqa: ANN001
+    import asyncio
+
+    from variantbench.serving import worker as worker_mod
+    from variantbench.serving.continuous import ContinuousBatch
+
+    monkeypatch.setattr(worker_mod, "RECENT_STEPS", 3)
+
+    async def main() -> int:
+        worker = worker_mod.BatchWorker(ContinuousBatch(decoder, max_batch=4, max_len=64)).start()
+        try:
+            for i in range(3):
+                await _collect(worker.submit(f"r{i}", [5, 6, 7], 8))
+            return len(worker.batch_sizes)
+        finally:
+            worker.drain_and_stop()
+
+    assert asyncio.run(main()) == 3  # 24 decode steps ran; the record stays bounded

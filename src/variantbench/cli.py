@@ -26,8 +26,21 @@ app = typer.Typer(
 
 
 def _fail(message: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    Console(stderr=True).print(
+        f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True
+    )
     raise typer.Exit(code)
+
+
+def _need(extra: str, what: str) -> None:
+    from variantbench.extras import require
+
+    try:
+        require(extra, what)
+    except UserError as exc:
+        _fail(str(exc))
 
 
 def _flags_epilog() -> str:
@@ -72,6 +85,7 @@ def run(ctx: typer.Context) -> None:
 
     variantbench run [PLAN.yaml] [--set key.path=value ...] [--variants fp32,int8] [--tasks N] [--out DIR] ...
     """
+    from variantbench.extras import require
     from variantbench.pipeline.run import check_writable, execute
 
     console = Console(stderr=True)
@@ -86,6 +100,7 @@ def run(ctx: typer.Context) -> None:
         from variantbench.models import parse_model
 
         if plan.model.endpoint is None:
+            require("local", "a local model (model.source)")
             parse_model(plan.model.source)  # fail on a bad path before anything slow
         check_writable(plan.out)
         report = execute(plan, console)
@@ -269,13 +284,12 @@ def build(
     seed: Annotated[int, typer.Option(help="seed of the calibration and distillation text")] = 0,
 ) -> None:
     """Build variants into the cache without benchmarking them."""
+    _need("local", "building variants")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from variantbench.models import parse_model, prepare_model
     from variantbench.paths import bytes_under
-    from variantbench.variants import parse_variant
-    from variantbench.variants.base import engine_of, split_chain
-    from variantbench.variants.build import manifest_of, materialize, variants_root
+    from variantbench.variants.spec import VariantSpec, build_variant
 
     console = Console(stderr=True)
 
@@ -283,33 +297,35 @@ def build(
         console.print(f"[dim]{message}[/dim]")
 
     try:
-        chains = [(name, split_chain(parse_variant(name))) for name in recipes]
-        base = prepare_model(parse_model(model), status=say)
+        specs = [VariantSpec.parse(name) for name in recipes]
+        base = str(prepare_model(parse_model(model), status=say))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:  # fmt: skip
-            for name, (build_part, load_part) in chains:
-                engine = engine_of(parse_variant(name))
-                if engine is not None:  # an export for another engine (of the built model, if any)
-                    source = materialize(base, build_part, seed=seed, say=say) if build_part else base
-                    path = engine.artifact(source, variants_root(), say=say)
-                    size = bytes_under(path)
-                    console.print(f"{name}: {size / 1e6:.1f} MB -> {path}", highlight=False, soft_wrap=True)
+            for spec in specs:
+                if not spec.needs_build:
+                    console.print(f"{spec.name}: applied when loaded (nothing to build)")
                     continue
-                if not build_part:
-                    console.print(f"{name}: applied when loaded (nothing to build)")
-                    continue
-                task = progress.add_task(f"{name}: calibrating", total=None)
+                task = progress.add_task(f"{spec.name}: building", total=None)
 
-                def tick(phase: str, done: int, total: int, task: int = task, name: str = name) -> None:
+                def tick(phase: str, done: int, total: int, task: int = task, name: str = spec.name) -> None:
                     progress.update(task, description=f"{name}: {phase}", completed=done, total=total)
 
-                path = materialize(base, build_part, seed=seed, say=say, progress=tick)
-                m = manifest_of(path)
-                progress.update(task, description=f"{name}: built", completed=1, total=1)
-                extra = f" (+ {'+'.join(r.spec() for r in load_part)} at load)" if load_part else ""
+                art = build_variant(base, spec, seed=seed, say=say, progress=tick)
+                progress.update(task, description=f"{spec.name}: built", completed=1, total=1)
+                how = f"built in {art.build_s:.0f} s" + (
+                    "" if art.built_now else " (earlier; from the cache)"
+                )
+                if art.engine_path:  # an export for another engine (of the built model, if any)
+                    size = bytes_under(Path(art.engine_path))
+                    console.print(f"{spec.name}: {size / 1e6:.1f} MB, {how} -> {art.engine_path}", highlight=False,
+                                  soft_wrap=True)  # fmt: skip
+                    continue
+                m = art.manifest or {}
+                at_load = "+".join(r.spec() for r in spec.load_chain)
+                extra = f" (+ {at_load} at load)" if at_load else ""
                 console.print(
                     f"{m['name']}{extra}: {m['parameters'] / 1e6:.1f}M params (from {m['parameters_before'] / 1e6:.1f}M), "
-                    f"{m['bytes_on_disk'] / 1e6:.1f} MB, built in {m['build_s']:.0f} s -> {path}",
+                    f"{m['bytes_on_disk'] / 1e6:.1f} MB, {how} -> {art.source_dir}",
                     highlight=False, soft_wrap=True,
                 )  # fmt: skip
                 if "distill" in m["notes"]:
@@ -394,6 +410,7 @@ def serve(
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
 ) -> None:
     """Serve variants behind an OpenAI-compatible API with continuous batching and priorities."""
+    _need("serve", "serving")
     from variantbench.models import parse_model, prepare_model
     from variantbench.serving.app import make_app
     from variantbench.serving.host import (
@@ -473,6 +490,7 @@ def route(
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
 ) -> None:
     """Calibrate the tiered router and compare it with always-light and always-standard on held-out samples."""
+    _need("serve", "the tiered router")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -537,10 +555,15 @@ def route(
 
 
 def main() -> None:
+    from variantbench.quiet import quiet_libraries
+
+    quiet_libraries()
     try:
         app()
     except UserError as exc:  # anything that escaped a command
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 

@@ -21,24 +21,64 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe_environment() -> dict[str, Any]:
-    import torch
-    import transformers
+def _version(package: str) -> str | None:
+    from importlib import metadata
 
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_flags() -> list[str]:
+    """The instruction-set extensions that decide which kernels run (from /proc/cpuinfo)."""
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "avx_vnni",
+        "amx_bf16",
+        "amx_int8",
+        "asimd",
+        "sve",
+    )
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def describe_environment(torch_details: bool = True) -> dict[str, Any]:
+    """The machine and library versions; ``torch_details`` also imports torch for its threads,
+    CPU capability and GPU (an endpoint run measures another process and does not load torch)."""
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cpu_logical_cores": psutil.cpu_count(logical=True),
         "cpu_physical_cores": psutil.cpu_count(logical=False),
         "memory_bytes": psutil.virtual_memory().total,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "torch_threads": None,
+        "cpu_capability": None,
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
         "gpu": None,
     }
-    if torch.cuda.is_available():
-        env["gpu"] = {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
+    if torch_details and env["torch"] is not None:
+        import torch
+
+        env.update(
+            torch_threads=torch.get_num_threads(), cpu_capability=torch.backends.cpu.get_cpu_capability()
+        )
+        if torch.cuda.is_available():
+            env["gpu"] = {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
     return env

@@ -32,6 +32,8 @@ class QueryRecord:
     query: int = -1  # the query this sample belongs to (multi-stream groups samples; else = index)
     alternatives: list[str] = field(default_factory=list)  # further accepted answers
     scored: bool = True  # in the accuracy log: its output is kept and scored
+    # the engine's own account of the query where it keeps one (llama.cpp's perf counters)
+    engine_timings: dict[str, float] | None = None
 
     @property
     def latency_ms(self) -> float:

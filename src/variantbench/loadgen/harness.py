@@ -337,6 +337,7 @@ def run_scenario(
             r.output_tokens = result.output_tokens
             r.token_ms = [(max(t, r.issued_ns) - r.issued_ns) / 1e6 for t in result.token_ns]
             r.output = result.text if r.scored else ""  # outside the accuracy log: not kept
+            r.engine_timings = result.engine_timings
         else:
             r.input_tokens = result.input_tokens
 

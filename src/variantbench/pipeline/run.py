@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from variantbench import __version__
 from variantbench.errors import UserError
+from variantbench.extras import require
 from variantbench.paths import cache_root
 from variantbench.pipeline.assemble import assemble
 from variantbench.pipeline.executors import EXECUTORS, Executor, InlineExecutor, JobFailed
@@ -92,6 +93,8 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     console = console or Console(stderr=True)
     out = plan.out
     check_writable(out)
+    if not plan.model.endpoint:
+        require("local", "a local model (model.source)")
     specs = parse_variants(plan)
     check_device(plan)
     # a bad workload file or fidelity text stops the run before any model is converted or loaded
@@ -124,7 +127,7 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         standard=spec.name if endpoint else plan.standard_variant,
         plan=plan.model_dump(mode="json"),
         workload=library.describe(),
-        environment=describe_environment(),
+        environment=describe_environment(torch_details=endpoint is None),
     )
     log_path = out / "queries.jsonl"
     log_path.write_text("")  # the folder holds one run: a fresh log

@@ -233,6 +233,7 @@ class RunReport(_Model):
     stable: bool | None = None  # last 3 windows' mean latencies within 10%
     outliers: Outliers = Field(default_factory=Outliers)
     peak: PeakSearch | None = None
+    engine_timings: dict[str, float | None] | None = None  # the engine's own clock, summed (llama.cpp)
     ttft_ms: Tail = Field(default_factory=Tail)
     tpot_ms: Tail = Field(default_factory=Tail)
     throughput: Throughput = Field(default_factory=Throughput)

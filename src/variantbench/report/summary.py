@@ -169,7 +169,28 @@ def summarize_run(
         queries=Queries(issued=len(records), completed=len(ok), errors=errors),
         input_tokens=_tail([r.input_tokens for r in ok]),
         output_tokens=_tail([r.output_tokens for r in ok]),
+        engine_timings=engine_timings(ok),
     )
+
+
+def engine_timings(ok: Sequence[QueryRecord]) -> dict[str, float] | None:
+    """The engine's own clock summed over the queries that report one, beside ours for the same queries.
+
+    ``engine_ms_share`` = the engine's milliseconds (every ``*_ms`` key) over our latency from issue:
+    near 1 means our clock measures the engine; well below 1, time goes outside it (tokenizing,
+    Python, the harness).
+    """
+    timed = [r for r in ok if r.engine_timings]
+    if not timed:
+        return None
+    totals: dict[str, float] = {}
+    for r in timed:
+        for key, value in (r.engine_timings or {}).items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    ours_ms = sum(r.latency_ms for r in timed)
+    engine_ms = sum(v for k, v in totals.items() if k.endswith("_ms"))
+    return {**{k: round(v, 3) for k, v in totals.items()}, "queries": len(timed), "measured_ms": round(ours_ms, 3),
+            "engine_ms_share": round(engine_ms / ours_ms, 4) if ours_ms > 0 else None}  # fmt: skip
 
 
 def _scored(records: Sequence[QueryRecord]) -> list[Scored]:

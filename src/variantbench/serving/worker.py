@@ -16,6 +16,7 @@ A failing step fails only the requests in that batch; the thread goes on.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 import threading
 import time
@@ -23,6 +24,8 @@ from typing import Any
 
 from variantbench.serving.continuous import NoRoom
 from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket
+
+RECENT_STEPS = 4096  # decode-step sizes and hold-opens kept for inspection (tests, debugging)
 
 
 @dataclass
@@ -49,8 +52,10 @@ class BatchWorker:
         self._stopping = False
         self._draining = False
         self._thread = threading.Thread(target=self._run, name=f"variantbench-batch-{name}", daemon=True)
-        self.batch_sizes: list[int] = []  # size of every decode step (for the tests)
-        self.holds: list[float] = []  # every hold-open, in seconds (for the tests)
+        # the most recent decode-step sizes and hold-opens (seconds), bounded: a server that runs for
+        # weeks must not grow with every step; /metrics' histograms keep the whole distribution
+        self.batch_sizes: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.holds: deque[float] = deque(maxlen=RECENT_STEPS)
         self.step_listeners: list[Any] = []  # callables(decode rows, seconds, prompt tokens) after each step
         self._last_arrival: float | None = None
         self._gap_s: float | None = None  # moving average of the gaps between arrivals

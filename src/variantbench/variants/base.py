@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from torch import nn
 
 from variantbench.errors import UserError
 
@@ -78,7 +77,7 @@ def keyword_args(kind: str, args: str | None, allowed: tuple[str, ...]) -> dict[
     return named
 
 
-Transform = Callable[[nn.Module, Recipe], nn.Module]
+Transform = Callable[..., Any]  # (torch.nn.Module, Recipe[, BuildContext]) -> torch.nn.Module
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def parse_variant(name: str) -> tuple[Recipe, ...]:
     return tuple(recipes)
 
 
-def apply_recipes(model: nn.Module, recipes: tuple[Recipe, ...], ctx: object = None) -> nn.Module:
+def apply_recipes(model: Any, recipes: tuple[Recipe, ...], ctx: object = None) -> Any:
     for recipe in recipes:
         transform = _REGISTRY[recipe.kind].transform
         model = transform(model, recipe, ctx) if recipe.stage == "build" else transform(model, recipe)  # type: ignore[call-arg]
