@@ -3,38 +3,38 @@
 from __future__ import annotations
 
 from variantbench.loadgen.harness import LoadSettings
-from variantbench.plan import MultiStream, Plan, Server
+from variantbench.plan import Plan
 from variantbench.report.summary import Criteria
+
+# the plan's scenario settings that are not knobs of the harness (they shape the workload or the search)
+_NOT_HARNESS = {"scenario", "tasks", "find_peak"}
 
 
 def load_settings(plan: Plan, run_id: str, n_samples: int | None = None) -> LoadSettings:
-    """The harness's settings; ``n_samples`` is the workload's size (one pass by default)."""
+    """The harness's settings; ``n_samples`` is the workload's size (one pass by default).
+
+    The plan's scenario model carries exactly its own knobs, named as the harness names them, so
+    they pass through without a ladder over scenarios.
+    """
     n = n_samples or plan.load.tasks
-    load, limits = plan.load, plan.limits
-    batch = getattr(load, "max_batch_size", 8)
+    limits = plan.limits
+    common = dict(sample_seed=plan.seeds.workload, max_new_tokens=plan.workload.max_new_tokens, run_id=run_id,
+                  drain_timeout_s=limits.drain_timeout_s)  # fmt: skip
     if plan.quality.accuracy_only:  # every sample once, untimed: all at once, batched as the backend likes
+        batch = plan.load.model_dump().get("max_batch_size", LoadSettings.max_batch_size)
         return LoadSettings(scenario="offline", min_queries=n, max_queries=n, warmup=0, max_batch_size=batch,
-                            sample_seed=plan.seeds.workload, max_new_tokens=plan.workload.max_new_tokens,
-                            run_id=run_id, drain_timeout_s=limits.drain_timeout_s)  # fmt: skip
-    server = load if isinstance(load, Server) else None
+                            **common)  # fmt: skip
     return LoadSettings(
-        scenario=load.scenario,
+        scenario=plan.load.scenario,
+        **plan.load.model_dump(exclude=_NOT_HARNESS),
         min_queries=limits.min_queries or n,
         max_queries=limits.max_queries,
         min_duration_s=limits.min_duration_s,
         max_duration_s=limits.max_duration_s,
         warmup=limits.warmup,
-        rate_qps=server.rate_qps if server else None,
-        burstiness=server.burstiness if server else 1.0,
-        max_concurrency=server.max_concurrency if server else None,
-        samples_per_query=load.samples_per_query if isinstance(load, MultiStream) else 1,
-        max_batch_size=batch,
         schedule_seed=plan.seeds.schedule,
-        sample_seed=plan.seeds.workload,
-        max_new_tokens=plan.workload.max_new_tokens,
-        drain_timeout_s=limits.drain_timeout_s,
-        run_id=run_id,
         accuracy_share=plan.quality.accuracy_log,
+        **common,
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
+from variantbench.loadgen.scenarios import SCENARIOS
 from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import Scored, agreement, summarize_quality
@@ -67,6 +68,7 @@ def summarize_run(
     fidelity: dict | None = None,
 ) -> RunReport:
     crit = criteria or Criteria()
+    scheduled = SCENARIOS[scenario].scheduled if scenario in SCENARIOS else False
     ok = [r for r in records if r.status == "ok"]
     errors = len(records) - len(ok)
     # per query: the slowest of its samples (multi-stream), counted only if every sample succeeded
@@ -89,7 +91,7 @@ def summarize_run(
             )
         n_queries = len(_queries(records))
         issue_span_s = (max(r.issued_ns for r in records) - start) / 1e9
-        if scenario == "server" and issue_span_s > 0 and n_queries > 1:
+        if scheduled and issue_span_s > 0 and n_queries > 1:
             achieved_qps = (n_queries - 1) / issue_span_s  # n arrivals span n-1 gaps
     prefill_s = sum(ttfts) / 1e3
     decode_tokens = sum(max(0, len(r.token_ms) - 1) for r in ok)
@@ -144,7 +146,7 @@ def summarize_run(
             max=max(lags_ns) / 1e6 if lags_ns else None,
         ),
         late_share=late_share,
-        target_qps=crit.target_qps if scenario == "server" else None,
+        target_qps=crit.target_qps if scheduled else None,
         achieved_qps=achieved_qps,
         validity=Validity(**asdict(verdict)),
         windows=[

@@ -1,0 +1,196 @@
+"""System-under-test adapters: how issued queries reach a backend. They decide batching, not the harness.
+
+- ``ThreadedSUT``: an in-process backend (our engine, ONNX Runtime, llama.cpp) is driven by one
+  thread that hands it whatever requests are waiting, up to a batch limit per ``generate`` call.
+- ``AsyncSUT``: a backend that serves many requests at once (HTTP) gets one event loop in its own
+  thread; every request runs as its own task, so nothing queues in the harness, and a timed
+  schedule is dispatched from inside the loop.
+
+Both call ``on_complete(pendings, results)`` for every request they were handed, exactly once per
+request as far as they are concerned (the harness still guards against a late second completion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+import threading
+import time
+from typing import Any
+
+from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
+from variantbench.records import QueryRecord
+
+# Sleep (releasing the GIL) until this close to an arrival, then spin. Event-loop timers round to
+# about 1 ms; a thread's nanosleep wakes within tens of microseconds, and a short spin keeps a
+# spinning dispatcher from starving the threads that complete queries of the GIL.
+SPIN_NS = 250_000
+
+
+class Pending:
+    __slots__ = ("record", "request", "done")
+
+    def __init__(self, record: QueryRecord, request: GenerationRequest) -> None:
+        self.record = record
+        self.request = request
+        self.done = False  # set under the harness's lock, exactly once
+
+
+OnComplete = Callable[[list[Pending], list[GenerationResult]], None]
+
+
+def wait_until(deadline_ns: int) -> None:
+    while True:
+        remaining = deadline_ns - time.perf_counter_ns()
+        if remaining <= 0:
+            return
+        if remaining > SPIN_NS:
+            time.sleep((remaining - SPIN_NS) / 1e9)
+
+
+class ThreadedSUT:
+    """One thread feeding an in-process backend whatever requests are waiting, in batches."""
+
+    concurrent = False
+
+    def __init__(self, backend: Backend, max_batch: int, on_complete: OnComplete):
+        self.backend = backend
+        self.max_batch = max_batch
+        self.on_complete = on_complete
+        self.inbox: deque[Pending] = deque()
+        self.ready = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self._loop, name="variantbench-executor", daemon=True)
+        self.thread.start()
+
+    def submit(self, pendings: list[Pending]) -> None:
+        with self.ready:
+            self.inbox.extend(pendings)
+            self.ready.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.ready:
+                while not self.inbox and not self.closing:
+                    self.ready.wait()
+                if not self.inbox:
+                    return
+                take = min(self.max_batch, len(self.inbox))
+                batch = [self.inbox.popleft() for _ in range(take)]
+            try:
+                results = self.backend.generate([p.request for p in batch])
+                by_id = {r.request_id: r for r in results}
+            except Exception as exc:  # the batch fails, the run goes on
+                by_id = {}
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                error = "backend returned no result"
+            self.on_complete(
+                batch,
+                [by_id.get(p.request.request_id) or GenerationResult(p.request.request_id, status="error", error=error)
+                 for p in batch],
+            )  # fmt: skip
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        # A backend stuck in generate() is abandoned (daemon thread); its queries were already
+        # completed as timeouts, and the run must not hang on it.
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
+        self.thread.join(timeout=timeout_s)
+
+
+class AsyncSUT:
+    """For backends that serve many requests at once (HTTP): one event loop in its own thread.
+
+    The dispatcher keeps its precise timing inside the loop and starts each request as its own task.
+    """
+
+    concurrent = True
+
+    def __init__(self, backend: Any, on_complete: OnComplete):
+        self.backend = backend
+        self.on_complete = on_complete
+        try:  # uvloop spends less time (and GIL) per I/O event than asyncio's own loop
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency, but not on every platform
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="variantbench-loop", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(backend.astart(), self.loop).result()
+
+    async def _one(self, pending: Pending, slot: asyncio.Semaphore | None = None) -> None:
+        # Issued is when the request really starts, on this loop: a loop that falls behind the
+        # dispatcher shows up as dispatch lag, not as the server's latency.
+        pending.record.issued_ns = time.perf_counter_ns()
+        try:
+            result = await self.backend.agenerate(pending.request)
+        except Exception as exc:  # a backend bug is a failed query, not a dead run
+            result = GenerationResult(
+                pending.request.request_id, status="error", error=f"{type(exc).__name__}: {exc}"
+            )
+        finally:
+            if slot is not None:
+                slot.release()
+        self.on_complete([pending], [result])
+
+    async def _dispatch(self, plan: list[Pending], max_concurrency: int | None) -> int:
+        """Issue each request at its scheduled time, from inside the loop.
+
+        Sleep on the loop's timer until about 3 ms before (its timers round to ~1 ms and oversleep
+        under load), then yield with ``sleep(0)`` until the time: I/O keeps being served while the
+        dispatcher waits, and no thread hand-off (nor the GIL) stands between the schedule and the send.
+        """
+        slot = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        for p in plan:
+            target = p.record.scheduled_ns
+            remaining = target - time.perf_counter_ns()
+            if remaining > 4_000_000:
+                await asyncio.sleep((remaining - 3_000_000) / 1e9)
+            while time.perf_counter_ns() < target:
+                await asyncio.sleep(0)
+            if slot is not None:
+                await slot.acquire()  # waiting for a slot is dispatch lag, and counts in latency
+            self.loop.create_task(self._one(p, slot))
+        return len(plan)
+
+    def run_schedule(self, plan: list[Pending], max_concurrency: int | None) -> int:
+        return asyncio.run_coroutine_threadsafe(self._dispatch(plan, max_concurrency), self.loop).result()
+
+    def _start(self, pendings: list[Pending]) -> None:
+        for p in pendings:
+            self.loop.create_task(self._one(p))
+
+    def submit(self, pendings: list[Pending]) -> None:
+        self.loop.call_soon_threadsafe(self._start, pendings)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.backend.aclose()
+            await self.loop.shutdown_asyncgens()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - closing must not raise over the run's result
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=timeout_s)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+SUT = ThreadedSUT | AsyncSUT
+
+
+def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete) -> SUT:
+    """The adapter a backend needs: an event loop for concurrent (HTTP) backends, else a feeding thread."""
+    if isinstance(backend, ConcurrentBackend) and backend.concurrent:
+        return AsyncSUT(backend, on_complete)
+    return ThreadedSUT(backend, batch_limit, on_complete)
