@@ -82,3 +82,31 @@ def test_a_variant_built_in_the_run_reports_build_s_apart_from_startup(
     # (int8 applied at load), not the build; on this model both are a fraction of a second
     assert fresh["resources"]["startup_s"] < 3 * cached["resources"]["startup_s"] + 0.5
     assert fresh["backend"]["built"]["key"] == cached["backend"]["built"]["key"]
+
+
+def test_jobs_pickle_whole_for_another_process_or_machine(tiny_model_dir: Path) -> None:
+    """Jobs cross process boundaries (spawn today, Ray workers later): plain data, the variant parsed."""
+    import pickle
+
+    from variantbench.pipeline.jobs import BuildJob, ColdStartJob, MeasureJob
+    from variantbench.pipeline.settings import criteria_for, load_settings
+    from variantbench.plan_file import load_plan
+    from variantbench.variants.spec import VariantSpec, plain_artifact
+    from variantbench.workloads import build_synthetic
+
+    plan = load_plan(PLANS / "server-sweep.yaml")
+    spec = VariantSpec.parse("prune-heads:0.5+int8")
+    library = build_synthetic(3, 0)
+    jobs = [
+        BuildJob(str(tiny_model_dir), spec, seed=3),
+        MeasureJob(variant=spec.name, workload=library, log_path="q.jsonl", load=load_settings(plan, "r", 3),
+                   spec=spec, artifact=plain_artifact(str(tiny_model_dir)), base_dir=str(tiny_model_dir),
+                   criteria=criteria_for(plan), find_peak=True),  # fmt: skip
+        ColdStartJob(spec, plain_artifact(str(tiny_model_dir)), str(tiny_model_dir)),
+    ]
+    for job in jobs:
+        back = pickle.loads(pickle.dumps(job))
+        assert back == job and back.id == job.id
+    assert [j.id for j in jobs] == ["build:prune-heads:0.5+int8", "measure:prune-heads:0.5+int8#0",
+                                    "cold-start:prune-heads:0.5+int8"]  # fmt: skip
+    assert [r.kind for r in pickle.loads(pickle.dumps(spec)).recipes] == ["prune-heads", "int8"]

@@ -14,9 +14,48 @@ A new engine that can be served is one more entry here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from variantbench.errors import UserError
+
+
+class ServingBatch(Protocol):
+    """What the per-variant worker drives: requests join, every step yields a token per row, rows leave."""
+
+    max_batch: int
+    max_len: int
+    stop_ids: Any
+
+    @property
+    def active(self) -> int: ...
+
+    def fits(self, prompt_len: int, max_new: int) -> bool: ...
+
+    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]: ...
+
+    def step(self) -> list[tuple[Any, int, bool]]: ...
+
+    def leave(self, key: Any) -> None: ...
+
+    def keys(self) -> list[Any]: ...
+
+    def describe(self) -> str:
+        """Its memory, for the start-up line (e.g. the KV cache's size)."""
+        ...
+
+
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """Prompts begin now and are prefilled by the next steps, beside the decode rows, in chunks.
+
+    After each step, ``last_rows`` decode rows and ``last_prompt_tokens`` prompt tokens were computed
+    (the worker's cost model splits a mixed step's time between them).
+    """
+
+    last_rows: int
+    last_prompt_tokens: int
+
+    def begin(self, key: Any, prompt: list[int], max_new: int) -> None: ...
 
 
 def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float) -> Any:

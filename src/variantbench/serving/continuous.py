@@ -118,6 +118,12 @@ class ContinuousBatch:
     def keys(self) -> list[Any]:
         return [s.key for s in self.slots] + [p.key for p in self.pending]
 
+    def describe(self) -> str:
+        kv = f"KV cache {self.storage.numel() * self.storage.element_size() / 1e9:.2f} GB"
+        if self.prefix is not None and self.prefix.enabled:
+            kv += f", prefix cache up to {self.prefix.budget_bytes / 2**20:g} MiB"
+        return kv
+
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= self.max_len
 

@@ -109,18 +109,9 @@ def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, 
             info = backend.load()
             models[name] = serve_model(name, backend, options)
             batch = models[name].worker.batch
-            storage = getattr(batch, "storage", None)
-            kv = (
-                f", KV cache {storage.numel() * storage.element_size() / 1e9:.2f} GB"
-                if storage is not None
-                else ""
-            )
-            prefix = getattr(batch, "prefix", None)
-            if prefix is not None and prefix.enabled:
-                kv += f", prefix cache up to {prefix.budget_bytes / 2**20:g} MiB"
-            say(
-                f"{name}: ready in {info.startup_s:.1f} s (batches of up to {batch.max_batch} x {batch.max_len} tokens{kv})"
-            )
+            memory = batch.describe()
+            say(f"{name}: ready in {info.startup_s:.1f} s (batches of up to {batch.max_batch} x {batch.max_len} tokens"
+                f"{', ' + memory if memory else ''})")  # fmt: skip
     except BaseException:
         close_models(models)
         raise

@@ -78,6 +78,12 @@ class LlamaCppBatch:
     def active(self) -> int:
         return len(self.slots)
 
+    def keys(self) -> list[Any]:
+        return [s.key for s in self.slots]
+
+    def describe(self) -> str:
+        return f"llama.cpp KV cache of {self.kv_tokens} tokens"
+
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= min(self.max_len, self.kv_tokens)
 

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from variantbench.serving.batching import ChunkedPrefill
 from variantbench.serving.continuous import NoRoom
 from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket
 
@@ -154,7 +155,9 @@ class BatchWorker:
             return tickets, expired, cancelled
 
     def _admit(self, tickets: list[Ticket]) -> None:
-        chunked = hasattr(self.batch, "begin")  # prefilled by the next steps, beside the decode rows
+        chunked = isinstance(
+            self.batch, ChunkedPrefill
+        )  # prefilled by the next steps, beside the decode rows
         for i, ticket in enumerate(tickets):
             t0 = time.perf_counter_ns()
             try:
@@ -233,14 +236,14 @@ class BatchWorker:
             try:
                 produced = self.batch.step()
             except Exception as exc:  # noqa: BLE001 - a failing step fails only this batch
-                keys = self.batch.keys() if hasattr(self.batch, "keys") else [s.key for s in self.batch.slots]
-                for key in keys:
+                for key in self.batch.keys():
                     self._started.pop(key, None)
                     self._finish(key, ("error", 500, f"{type(exc).__name__}: {exc}"))
                 continue
             seconds = time.perf_counter() - t0
-            size = getattr(self.batch, "last_rows", size)
-            prompt_tokens = getattr(self.batch, "last_prompt_tokens", 0)
+            prompt_tokens = 0
+            if isinstance(self.batch, ChunkedPrefill):
+                size, prompt_tokens = self.batch.last_rows, self.batch.last_prompt_tokens
             cost = self.scheduler.cost
             if prompt_tokens:  # a mixed step: what the decode rows alone would have cost is not prefill
                 decode_s = cost.step_s(size) if size and cost.known else 0.0
