@@ -99,9 +99,17 @@ def test_jobs_pickle_whole_for_another_process_or_machine(tiny_model_dir: Path) 
     library = build_synthetic(3, 0)
     jobs = [
         BuildJob(str(tiny_model_dir), spec, seed=3),
-        MeasureJob(variant=spec.name, workload=library, log_path="q.jsonl", load=load_settings(plan, "r", 3),
-                   spec=spec, artifact=plain_artifact(str(tiny_model_dir)), base_dir=str(tiny_model_dir),
-                   criteria=criteria_for(plan), find_peak=True),  # fmt: skip
+        MeasureJob(
+            variant=spec.name,
+            workload=library,
+            log_path="q.jsonl",
+            load=load_settings(plan, "r", 3),
+            spec=spec,
+            artifact=plain_artifact(str(tiny_model_dir)),
+            base_dir=str(tiny_model_dir),
+            criteria=criteria_for(plan),
+            find_peak=True,
+        ),  # fmt: skip
         ColdStartJob(spec, plain_artifact(str(tiny_model_dir)), str(tiny_model_dir)),
     ]
     for job in jobs:
@@ -110,3 +118,28 @@ def test_jobs_pickle_whole_for_another_process_or_machine(tiny_model_dir: Path) 
     assert [j.id for j in jobs] == ["build:prune-heads:0.5+int8", "measure:prune-heads:0.5+int8#0",
                                     "cold-start:prune-heads:0.5+int8"]  # fmt: skip
     assert [r.kind for r in pickle.loads(pickle.dumps(spec)).recipes] == ["prune-heads", "int8"]
+
+
+def test_a_find_peak_run_is_rebuilt_from_its_raw_data_and_log(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "peak"
+    proc = _cli(
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "4",
+        "--find-peak", "--latency-target-ms", "60", "--latency-percentile", "50", "--tasks", "6", "--min-queries", "20",
+        "--max-new-tokens", "2", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
+        "--no-cold-start", "--no-isolate", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    run = report["runs"][0]
+    trials = run["peak"]["trials"]
+    assert len(trials) >= 2 and all(t["run_id"].endswith(f"@{t['rate_qps']:.4g}qps") for t in trials)
+    # the summary is of one trial's queries (the best passing one, else the last), not of all of them
+    assert run["queries"]["issued"] == 20
+    (out / "report.json").unlink()
+    (out / "report.md").unlink()
+    (out / "report.json").write_text(json.dumps(report))  # the header the rebuild starts from
+    again = _cli("report", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    rebuilt = json.loads((out / "report.json").read_text())["runs"][0]
+    for key in ("peak", "latency_ms", "queries", "throughput", "achieved_qps", "validity", "quality"):
+        assert rebuilt[key] == run[key], key
