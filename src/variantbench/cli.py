@@ -339,27 +339,6 @@ def build(
         _fail(str(exc))
 
 
-def _calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:
-    from variantbench.workloads import build_synthetic, parse_lengths
-    from variantbench.workloads.counting import tokenizer_counter
-
-    try:
-        lengths = parse_lengths(input_lengths)
-    except ValueError as exc:
-        raise UserError(f"--input-lengths: {exc}") from None
-    workload = build_synthetic(
-        n, seed, lengths=lengths, counter=tokenizer_counter(model_dir), counted_with=model_dir
-    )
-    return list(workload.samples)
-
-
-def _router_pair(router: str) -> tuple[str, str]:
-    light, sep, standard = router.partition(",")
-    if not sep or not light.strip() or not standard.strip():
-        raise UserError(f"--router takes LIGHT,STANDARD (e.g. int8,fp32), got {router!r}")
-    return light.strip(), standard.strip()
-
-
 @app.command()
 def serve(
     variants: Annotated[
@@ -416,9 +395,11 @@ def serve(
     from variantbench.serving.host import (
         ServeOptions,
         build_router,
+        calibration_samples,
         close_models,
         load_models,
         parse_queue_policy,
+        router_pair,
         run_server,
     )
 
@@ -435,7 +416,7 @@ def serve(
             raise UserError(f"--variants names a variant twice: {variants}")
         if not 0 < port < 65536:
             raise UserError(f"--port must be in 1-65535, got {port}")
-        pair = _router_pair(router) if router else None
+        pair = router_pair(router) if router else None
         if pair and not 0.0 <= standard_share <= 1.0:
             raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
         from variantbench.variants import parse_variant
@@ -454,7 +435,7 @@ def serve(
     try:
         tiered = None
         if pair:
-            prompts = _calibration_samples(base, calibration_prompts, seed, input_lengths)
+            prompts = calibration_samples(base, calibration_prompts, seed, input_lengths)
             tiered = build_router(
                 models, pair[0], pair[1], standard_share, prompts, name=router_name, say=say
             )
@@ -496,7 +477,14 @@ def route(
 
     from variantbench.backends.base import GenerationRequest, encode_request
     from variantbench.models import parse_model, prepare_model
-    from variantbench.serving.host import ServeOptions, build_router, close_models, load_models
+    from variantbench.serving.host import (
+        ServeOptions,
+        build_router,
+        calibration_samples,
+        close_models,
+        load_models,
+        router_pair,
+    )
     from variantbench.serving.router import evaluate, split
 
     console = Console(stderr=True)
@@ -507,13 +495,13 @@ def route(
 
     models: dict = {}
     try:
-        light, standard = _router_pair(router)
+        light, standard = router_pair(router)
         if tasks < 4:
             raise UserError(f"--tasks must be at least 4 (half calibrate, half are held out), got {tasks}")
         if not 0.0 <= standard_share <= 1.0:
             raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
         base = str(prepare_model(parse_model(model), status=say))
-        samples = _calibration_samples(base, tasks, seed, input_lengths)
+        samples = calibration_samples(base, tasks, seed, input_lengths)
         models = load_models(
             base, [light, standard], ServeOptions(max_batch_size=1), threads=threads, say=say
         )

@@ -163,3 +163,26 @@ def run_server(app: Any, host: str, port: int) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http="httptools",
                             lifespan="on", backlog=4096, timeout_graceful_shutdown=30)  # fmt: skip
     uvicorn.Server(config).run()
+
+
+def calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:
+    """Synthetic prompts for the router's calibration (and ``route``'s held-out half), counted in tokens."""
+    from variantbench.workloads import build_synthetic, parse_lengths
+    from variantbench.workloads.counting import tokenizer_counter
+
+    try:
+        lengths = parse_lengths(input_lengths)
+    except ValueError as exc:
+        raise UserError(f"--input-lengths: {exc}") from None
+    workload = build_synthetic(
+        n, seed, lengths=lengths, counter=tokenizer_counter(model_dir), counted_with=model_dir
+    )
+    return list(workload.samples)
+
+
+def router_pair(router: str) -> tuple[str, str]:
+    """``"int8,fp32"`` -> ("int8", "fp32"): the light and the standard variant of the tiered router."""
+    light, sep, standard = router.partition(",")
+    if not sep or not light.strip() or not standard.strip():
+        raise UserError(f"--router takes LIGHT,STANDARD (e.g. int8,fp32), got {router!r}")
+    return light.strip(), standard.strip()
