@@ -259,3 +259,20 @@ def test_the_engines_own_clock_reaches_the_report_beside_ours() -> None:
     assert 0.5 < timings["engine_ms_share"] < 0.81  # 8 of each query's 10+ ms
     assert summarize_run("plain", run_scenario(SleepSystem(0.001), library, LoadSettings(min_queries=2, warmup=0)).records,
                          Resources()).engine_timings is None  # fmt: skip
+
+
+def test_a_late_issue_invalidates_a_schedule_not_a_single_stream_run() -> None:
+    """One query in ten issued 3 ms after it was made: a missed schedule in the server scenario; in
+    single-stream, where a query is issued when the last completes, only dispatch lag (issue 17)."""
+    records = [_rec(i, 50.0) for i in range(10)]
+    records[4].issued_ns += 3_000_000
+    records[4].completed_ns += 3_000_000
+    single = summarize_run(
+        "v", records, Resources(), scenario="single-stream", criteria=Criteria(min_queries=10)
+    )
+    server = summarize_run(
+        "v", records, Resources(), scenario="server", criteria=Criteria(min_queries=10, target_qps=1)
+    )
+    assert single.late_share == server.late_share == pytest.approx(0.1)
+    assert single.validity.verdict == "VALID" and single.dispatch_lag_ms.max == pytest.approx(3.0)
+    assert server.validity.verdict == "INVALID" and "issued more than 1 ms late" in server.validity.reasons[0]

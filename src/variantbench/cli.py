@@ -135,7 +135,7 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
             console.print(
                 f"[yellow]{r.variant}: INVALID[/yellow] - {'; '.join(r.validity.reasons)}", highlight=False
             )
-        if r.status == "ok" and (r.late_share or 0) > 0.01:
+        if r.status == "ok" and r.target_qps is not None and (r.late_share or 0) > 0.01:
             console.print(
                 f"[yellow]warning:[/yellow] {r.variant}: {r.late_share:.1%} of queries issued more than 1 ms late",
                 highlight=False,

@@ -125,7 +125,9 @@ def summarize_run(
         min_queries=crit.min_queries,
         duration_s=duration_s or 0.0,
         min_duration_s=crit.min_duration_s,
-        late_share=late_share or 0.0,
+        # a late issue means a missed schedule: single-stream issues when the last query completes,
+        # so a GC pause before the issue is no one's lateness (it is in the dispatch lag, not the verdict)
+        late_share=(late_share or 0.0) if scheduled else 0.0,
         errors=errors,
         confidence=crit.confidence,
     )
