@@ -151,7 +151,7 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
 def plan_command(ctx: typer.Context) -> None:
     """Print the resolved plan (every default spelled out) without running it.
 
-    variantbench plan [PLAN.yaml] [--set key.path=value ...] [flags] [--show]
+    variantbench plan [PLAN.yaml] [--set key.path=value ...] [--FLAG VALUE ...] [--show]
     """
     from variantbench.plan_file import dump_plan
 
