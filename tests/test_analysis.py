@@ -179,3 +179,33 @@ def test_diagnosis_finds_a_planted_slow_operator_family(tiny_model_dir: Path) ->
     assert math.isclose(sum(diag["op_share"].values()), 1.0, abs_tol=0.01)
     text = explain("slow", diag, "fp32", base, decode_ratio=0.5, prefill_ratio=None)
     assert "in norm" in text and "2.00x slower" in text and "rms_norm" in text
+
+
+def test_paired_intervals_are_scipys_bca_bootstrap_on_the_same_data() -> None:
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(3)
+    base = rng.lognormal(7, 1, 60)  # samples of very different lengths: most of the spread
+    slow = base * 1.2 * rng.lognormal(0, 0.05, 60)  # the same samples, 20% slower each
+    r = sig.paired_ratio(slow, base, seed=11, resamples=3000)
+    logs = np.log(slow / base)
+    want = bootstrap((logs,), np.mean, n_resamples=3000, method="BCa", rng=np.random.default_rng(11))
+    assert r["value"] == pytest.approx(float(np.exp(logs.mean())))
+    assert r["ci_low"] == pytest.approx(float(np.exp(want.confidence_interval.low)))
+    assert r["ci_high"] == pytest.approx(float(np.exp(want.confidence_interval.high)))
+    q = sig.paired_quantile_ratio(slow, base, 99, seed=5, resamples=3000)
+    want = bootstrap((slow, base), lambda u, v, axis=-1: np.percentile(u, 99, axis=axis) / np.percentile(v, 99, axis=axis),
+                     n_resamples=3000, paired=True, method="BCa", rng=np.random.default_rng(5))  # fmt: skip
+    assert (q["ci_low"], q["ci_high"]) == pytest.approx(tuple(want.confidence_interval))
+    # pairing finds the 20% that the samples' own spread hides from an unpaired comparison
+    assert 1.15 < r["ci_low"] < r["ci_high"] < 1.25 and sig.wilcoxon(slow, base) < 1e-6
+    unpaired = sig.bootstrap_ratio(slow, base, 50, seed=0, resamples=3000)
+    assert unpaired["ci_low"] < 1 < unpaired["ci_high"]
+    assert sig.verdict(r, sig.wilcoxon(slow, base)) == "slower"
+
+
+def test_pairs_match_the_kth_occurrence_of_each_sample() -> None:
+    a = [("s1", 1), ("s2", 2), ("s1", 3)]
+    b = [("s1", 10), ("s3", 30), ("s1", 11), ("s2", 20)]
+    assert sig.pairs(a, b, key=lambda x: x[0]) == [(("s1", 1), ("s1", 10)), (("s2", 2), ("s2", 20)),
+                                                   (("s1", 3), ("s1", 11))]  # fmt: skip

@@ -131,30 +131,52 @@ def cost_model(plan: Plan) -> Any:
 
 def ab_compare(variant: str, records: list[QueryRecord], standard: str, std_records: list[QueryRecord],
                seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Ratios with bootstrap intervals and a Mann-Whitney test, per query, variant over standard."""
+    """Variant over standard: paired per sample when both answered the same samples (Wilcoxon
+    signed-rank, BCa intervals), else per query unpaired (Mann-Whitney, percentile bootstrap)."""
     from variantbench.metrics import significance as sig
 
-    def lat(rs: list[QueryRecord]) -> list[float]:
-        return [r.latency_from_scheduled_ms for r in rs if r.status == "ok"]
-
-    a, b = lat(records), lat(std_records)
-    p50 = sig.bootstrap_ratio(a, b, 50, seed=seed)
-    p99 = sig.bootstrap_ratio(a, b, 99, seed=seed + 1)
     ok_a = [r for r in records if r.status == "ok"]
     ok_b = [r for r in std_records if r.status == "ok"]
-    tput = sig.bootstrap_rate_ratio([r.output_tokens for r in ok_a], [r.latency_ms for r in ok_a],
-                                    [r.output_tokens for r in ok_b], [r.latency_ms for r in ok_b],
-                                    seed=seed + 2)  # fmt: skip
-    p = sig.mann_whitney(a, b)
-    word = sig.verdict(p50, p)
+    matched = sig.pairs(ok_a, ok_b, key=lambda r: r.sample_id)
+    if len(matched) >= 3:
+        mine, theirs = [m for m, _ in matched], [t for _, t in matched]
+        lat_a = [r.latency_from_scheduled_ms for r in mine]
+        lat_b = [r.latency_from_scheduled_ms for r in theirs]
+        latency = sig.paired_ratio(lat_a, lat_b, seed=seed)
+        p50 = sig.paired_quantile_ratio(lat_a, lat_b, 50, seed=seed)
+        p99 = sig.paired_quantile_ratio(lat_a, lat_b, 99, seed=seed + 1)
+        tput = sig.paired_rate_ratio([r.output_tokens for r in mine], [r.latency_ms for r in mine],
+                                     [r.output_tokens for r in theirs], [r.latency_ms for r in theirs],
+                                     seed=seed + 2)  # fmt: skip
+        with_ttft = [(m, t) for m, t in matched if m.ttft_ms is not None and t.ttft_ms is not None]
+        ttft = sig.paired_ratio(
+            [m.ttft_ms for m, _ in with_ttft], [t.ttft_ms for _, t in with_ttft], seed=seed + 3
+        )
+        p, test, n_pairs = sig.wilcoxon(lat_a, lat_b), "wilcoxon", len(matched)
+    else:
+        lat_a = [r.latency_from_scheduled_ms for r in ok_a]
+        lat_b = [r.latency_from_scheduled_ms for r in ok_b]
+        p50 = sig.bootstrap_ratio(lat_a, lat_b, 50, seed=seed)
+        p99 = sig.bootstrap_ratio(lat_a, lat_b, 99, seed=seed + 1)
+        tput = sig.bootstrap_rate_ratio([r.output_tokens for r in ok_a], [r.latency_ms for r in ok_a],
+                                        [r.output_tokens for r in ok_b], [r.latency_ms for r in ok_b],
+                                        seed=seed + 2)  # fmt: skip
+        latency, ttft = p50, {"value": None, "ci_low": None, "ci_high": None}
+        p, test, n_pairs = sig.mann_whitney(lat_a, lat_b), "mann-whitney", 0
+    word = sig.verdict(latency, p)
     return {
         "standard": standard,
+        "paired": n_pairs > 0,
+        "pairs": n_pairs,
+        "test": test,
+        "latency_ratio": latency,
         "latency_p50_ratio": p50,
         "latency_p99_ratio": p99,
+        "ttft_ratio": ttft,
         "throughput_ratio": tput,
         "p_value": p,
         "verdict": word,
-        "summary": sig.describe(variant, standard, p50, tput, p, word),
+        "summary": sig.describe(variant, standard, latency, tput, p, word, test=test, pairs=n_pairs or None),
     }
 
 

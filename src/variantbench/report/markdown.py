@@ -94,19 +94,35 @@ def _ab(report: Report) -> list[str]:
                     if lat.get("ci_low") is not None
                     else ""
                 )
-        rows.append([r.variant, _ratio(ab.latency_p50_ratio), _ratio(ab.latency_p99_ratio),
-                     _ratio(ab.throughput_ratio), _f(ab.p_value, ".3g"), ab.verdict, across or "-"])  # fmt: skip
+        basis = f"paired, {ab.pairs} samples" if ab.paired else "unpaired"
+        rows.append([r.variant, basis, _ratio(ab.latency_ratio), _ratio(ab.latency_p50_ratio),
+                     _ratio(ab.latency_p99_ratio), _ratio(ab.ttft_ratio), _ratio(ab.throughput_ratio),
+                     _f(ab.p_value, ".3g"), ab.verdict, across or "-"])  # fmt: skip
     if not rows:
         return []
     return [
         f"## A/B against the standard ({report.standard})",
         "",
         "Ratios are variant / standard with 95% bootstrap intervals; latency below 1 and throughput above 1 "
-        "are faster. p: two-sided Mann-Whitney U on per-query latencies.",
+        "are faster. Paired (both answered the same samples): latency and TTFT are the geometric means of the "
+        "per-sample ratios, intervals BCa (scipy.stats.bootstrap, pairs resampled together), p from the "
+        "Wilcoxon signed-rank test; unpaired: ratio of medians, percentile bootstrap, Mann-Whitney U.",
         "",
         *_table(
-            ["variant", "median latency", "P99 latency", "throughput", "p", "verdict", "across repeats"], rows
-        ),
+            [
+                "variant",
+                "basis",
+                "latency",
+                "median latency",
+                "P99 latency",
+                "TTFT",
+                "throughput",
+                "p",
+                "verdict",
+                "across repeats",
+            ],
+            rows,
+        ),  # fmt: skip
         "",
     ]
 

@@ -121,15 +121,21 @@ class Ratio(_Model):
 
 
 class AB(_Model):
-    """This variant against the standard on per-query values, bootstrap 95% intervals."""
+    """This variant against the standard: paired per sample where both answered the same samples."""
 
     standard: str
+    paired: bool = False  # True: per-sample pairs (Wilcoxon, BCa); False: unpaired (Mann-Whitney)
+    pairs: int = 0
+    test: str = "mann-whitney"  # "wilcoxon" | "mann-whitney"
+    # the verdict's effect: paired, the geometric mean of per-sample latency ratios; else the median ratio
+    latency_ratio: Ratio = Field(default_factory=Ratio)
+    ttft_ratio: Ratio = Field(default_factory=Ratio)  # paired geometric mean of per-sample TTFT ratios
     latency_p50_ratio: Ratio = Field(default_factory=Ratio)  # variant / standard: < 1 is faster
     latency_p99_ratio: Ratio = Field(default_factory=Ratio)
     throughput_ratio: Ratio = Field(
         default_factory=Ratio
     )  # output tokens/s, variant / standard: > 1 is faster
-    p_value: float | None = None  # two-sided Mann-Whitney U on per-query latencies
+    p_value: float | None = None  # two-sided: Wilcoxon signed-rank on the pairs, else Mann-Whitney U
     verdict: str = "no significant difference"  # "faster" | "slower" | "no significant difference"
     summary: str = ""
     across_repeats: dict[str, Any] | None = None  # --repeats: mean and 95% CI of each run's ratios
