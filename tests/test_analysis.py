@@ -209,3 +209,20 @@ def test_pairs_match_the_kth_occurrence_of_each_sample() -> None:
     b = [("s1", 10), ("s3", 30), ("s1", 11), ("s2", 20)]
     assert sig.pairs(a, b, key=lambda x: x[0]) == [(("s1", 1), ("s1", 10)), (("s2", 2), ("s2", 20)),
                                                    (("s1", 3), ("s1", 11))]  # fmt: skip
+
+
+def test_placeholder_prices_and_estimated_energy_are_said_in_the_recommendation() -> None:
+    default = derive(CostModel(placeholder_prices=True), duration_s=10.0, output_tokens=100, energy_j=50.0,
+                     tracked_wall_s=10.0, quality=0.5)  # fmt: skip
+    assert default["inputs"]["prices"] == "placeholder"
+    run = _run("fp32", p99=1000, rss_gb=0.5, quality=1.0, tok_s=100, price=0.5)
+    run.cost = Cost(per_million_output_tokens=0.5, inputs=default["inputs"])
+    run.resources.energy_source = "estimate"
+    reason = recommend([run], "fp32", PROFILES["edge"])["reasons"]["fp32"]
+    assert "at placeholder prices" in reason and "energy estimated" in reason
+    given = derive(CostModel(cost_per_hour=0.4), duration_s=10.0, output_tokens=100, energy_j=50.0,
+                   tracked_wall_s=10.0, quality=0.5)  # fmt: skip
+    run.cost = Cost(per_million_output_tokens=0.5, inputs=given["inputs"])
+    run.resources.energy_source = "rapl"
+    reason = recommend([run], "fp32", PROFILES["edge"])["reasons"]["fp32"]
+    assert "placeholder" not in reason and "estimated" not in reason

@@ -29,6 +29,8 @@ class CostModel(BaseModel):
     currency: str = "USD"
     energy_price_kwh: float = Field(0.15, ge=0, description="energy price per kWh")
     watts_per_core: float = Field(10.0, gt=0, description="energy estimate: watts per busy core")
+    # True when the prices are the plan's built-in defaults, not a user's: every cost figure says so
+    placeholder_prices: bool = False
 
 
 def derive(cost: CostModel, *, duration_s: float | None, output_tokens: int, energy_j: float | None,
@@ -44,6 +46,7 @@ def derive(cost: CostModel, *, duration_s: float | None, output_tokens: int, ene
         "tracked_energy_j": energy_j,
         "tracked_wall_s": tracked_wall_s,
         "quality": quality,
+        "prices": "placeholder" if cost.placeholder_prices else "given",
     }
     out: dict[str, Any] = {
         "per_million_output_tokens": None,

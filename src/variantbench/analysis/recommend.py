@@ -66,6 +66,16 @@ def check(run: Any, standard: Any, s: Profile) -> list[str]:
     return fails
 
 
+def _labels(run: Any) -> str:
+    """What the cost figure stands on, said in the same line: placeholder prices, estimated energy."""
+    notes = []
+    if run.cost and run.cost.inputs.get("prices") == "placeholder":
+        notes.append("at placeholder prices: set cost.per_hour and cost.energy_price_kwh")
+    if run.resources.energy_source == "estimate":
+        notes.append("energy estimated from CPU time")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def recommend(runs: list[Any], standard_name: str, s: Profile) -> dict[str, Any]:
     """Rank the measured variants for one profile: the cheapest that meets every constraint."""
     standard = next((r for r in runs if r.variant == standard_name and r.status == "ok"), None)
@@ -90,7 +100,9 @@ def recommend(runs: list[Any], standard_name: str, s: Profile) -> dict[str, Any]
             if c != float("inf")
             else "cost unknown"
         )
-        reasons[run.variant] = f"meets every constraint; {cost}" + (" (cheapest)" if rank == 0 else "")
+        reasons[run.variant] = f"meets every constraint; {cost}{_labels(run)}" + (
+            " (cheapest)" if rank == 0 else ""
+        )
     chosen = fit[0].variant if fit else None
     return {
         "variant": chosen,

@@ -125,8 +125,14 @@ def cost_model(plan: Plan) -> Any:
     from variantbench.analysis.cost import CostModel
 
     c = plan.cost
+    defaults = type(c).model_fields
+    placeholder = (
+        c.per_hour == defaults["per_hour"].default
+        and c.energy_price_kwh == defaults["energy_price_kwh"].default
+    )
     return CostModel(cost_per_hour=c.per_hour, devices=c.devices, currency=c.currency,
-                     energy_price_kwh=c.energy_price_kwh, watts_per_core=c.watts_per_core)  # fmt: skip
+                     energy_price_kwh=c.energy_price_kwh, watts_per_core=c.watts_per_core,
+                     placeholder_prices=placeholder)  # fmt: skip
 
 
 def ab_compare(variant: str, records: list[QueryRecord], standard: str, std_records: list[QueryRecord],

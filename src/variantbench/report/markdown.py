@@ -156,7 +156,8 @@ def _diagnosis(report: Report) -> list[str]:
         )
     lines += _table(
         ["variant", "decode step ms", *[f"{f} share" for f in fams], "decode tok/s at batch 1 / 8 / 32",
-         "achieved GFLOP/s", "achieved bandwidth (of ceiling)"],
+         "achieved GFLOP/s (derived: 2 x params x tokens/s)",
+         "achieved bandwidth (derived: weight bytes x tokens/s; of the measured ceiling)"],
         rows,
     )  # fmt: skip
     lines += [""] + [f"- {r.diagnosis.summary}" for r in runs if r.diagnosis and r.diagnosis.summary]
@@ -191,7 +192,13 @@ def _cost(report: Report) -> list[str]:
         "## Cost model",
         "",
         f"Hardware {i.get('cost_per_hour')} {i.get('currency')}/h x {i.get('devices')} device(s); energy "
-        f"{i.get('energy_price_kwh')} {i.get('currency')}/kWh. Energy of a run = its tracked mean power x its "
+        f"{i.get('energy_price_kwh')} {i.get('currency')}/kWh"
+        + (
+            " (**placeholder prices**, the plan's defaults: set cost.per_hour and cost.energy_price_kwh)"
+            if i.get("prices") == "placeholder"
+            else ""
+        )
+        + ". Energy of a run = its tracked mean power x its "
         "measured span. Efficiency = quality x throughput / (hardware cost x energy per token), in "
         f"{run.cost.efficiency_units}.",
         "",
