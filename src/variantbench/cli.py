@@ -53,6 +53,7 @@ def _flags_epilog() -> str:
     )
 
 
+_FLAGS_EPILOG = _flags_epilog()
 _PLAN_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["--help", "-h"]}
 
 
@@ -79,14 +80,13 @@ def _replay_folder(plan_file: Path | None, plan: Plan, args: RunArgs) -> Path | 
     return Path(f"{out}-replay-{n}")
 
 
-@app.command(context_settings=_PLAN_ARGS, epilog=_flags_epilog(), rich_help_panel=None)
+@app.command(context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG, rich_help_panel=None)
 def run(ctx: typer.Context) -> None:
     """Build the variants, measure them side by side, print the comparison and write the report.
 
     variantbench run [PLAN.yaml] [--set key.path=value ...] [--variants fp32,int8] [--tasks N] [--out DIR] ...
     """
-    from variantbench.extras import require
-    from variantbench.pipeline.run import check_writable, execute
+    from variantbench.pipeline.run import execute
 
     console = Console(stderr=True)
     try:
@@ -97,12 +97,6 @@ def run(ctx: typer.Context) -> None:
                 f"[dim]replaying {args.plan_file} into {replay} (the original run stays as it is)[/dim]"
             )
             plan = plan.model_copy(update={"out": replay})
-        from variantbench.models import parse_model
-
-        if plan.model.endpoint is None:
-            require("local", "a local model (model.source)")
-            parse_model(plan.model.source)  # fail on a bad path before anything slow
-        check_writable(plan.out)
         report = execute(plan, console)
     except UserError as exc:
         _fail(str(exc))
@@ -147,7 +141,7 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
         raise typer.Exit(1)
 
 
-@app.command("plan", context_settings=_PLAN_ARGS, epilog=_flags_epilog())
+@app.command("plan", context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG)
 def plan_command(ctx: typer.Context) -> None:
     """Print the resolved plan (every default spelled out) without running it.
 

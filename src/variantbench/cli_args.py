@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from variantbench.errors import UserError
 from variantbench.plan import SCENARIO_TYPES, Plan
 from variantbench.plan_file import Location, parse_override
@@ -86,23 +84,16 @@ SWITCHES: dict[str, tuple[Location, Any, Any]] = {
 
 
 def _field(loc: Location) -> Any:
-    """The pydantic field at a key path (the load union's first scenario that has it)."""
-    model: Any = Plan
-    info = None
-    for part in loc:
-        if model is Plan and part == "load":
-            info, model = None, None
-            continue
-        if model is None:  # inside the load union
-            info = next(
-                (t.model_fields[part] for t in SCENARIO_TYPES.values() if part in t.model_fields), None
-            )
-            model = None
-            continue
-        info = model.model_fields[part]
-        annotation = info.annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return info
+    """The pydantic field at a key path (``section`` or ``section.key``; for ``load``, the first
+    scenario that has the key)."""
+    section, *rest = loc
+    if not rest:
+        return Plan.model_fields[section]
+    if section == "load":
+        return next(
+            (t.model_fields[rest[0]] for t in SCENARIO_TYPES.values() if rest[0] in t.model_fields), None
+        )
+    return Plan.model_fields[section].annotation.model_fields[rest[0]]
 
 
 def _is_bool(loc: Location) -> bool:

@@ -308,8 +308,6 @@ class Plan(_Section):
 
     @property
     def standard_variant(self) -> str:
-        if self.model.endpoint:
-            return self.variants[0]
         if self.standard is not None:
             return self.standard
         return "fp32" if "fp32" in self.variants else self.variants[0]

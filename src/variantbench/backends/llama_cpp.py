@@ -28,7 +28,7 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
-from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact, plain_artifact
+from variantbench.variants.spec import Artifact, VariantSpec, check_engine, ensure_artifact, plain_artifact
 
 
 class LlamaCppBackend:
@@ -83,9 +83,7 @@ class LlamaCppBackend:
         from variantbench.variants.gguf import GgufVariant, gguf_file_type, require_llama_cpp
 
         if self.gguf_file:  # a given file: nothing to build, but the recipe must still be a GGUF one
-            ensure_artifact(
-                self.model_dir, self.spec, plain_artifact(self.model_dir), engine_type=GgufVariant
-            )
+            check_engine(self.spec, GgufVariant)
             self.artifact = plain_artifact(self.model_dir)
         else:
             self.artifact = ensure_artifact(self.model_dir, self.spec, self.artifact, self.build_seed,

@@ -80,15 +80,11 @@ class _Unscheduled:
 def _one_query_at_a_time(ctx: IssueContext) -> int:
     query = 0
     while not ctx.limits_met(query):
-        group = ctx.make(query, _now())
+        group = ctx.make(query, time.perf_counter_ns())
         ctx.issue(group)
         ctx.wait_done(group)
         query += 1
     return query
-
-
-def _now() -> int:
-    return time.perf_counter_ns()
 
 
 class SingleStream(_Unscheduled):
@@ -125,7 +121,7 @@ class Offline(_Unscheduled):
 
     def issue(self, ctx: IssueContext) -> int:
         batch = [p for q in range(ctx.planned) for p in ctx.make(q, 0)]
-        at = _now()  # all are scheduled at the moment they are issued together
+        at = time.perf_counter_ns()  # all are scheduled at the moment they are issued together
         for p in batch:
             p.record.scheduled_ns = at
         ctx.issue(batch)

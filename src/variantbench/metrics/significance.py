@@ -33,6 +33,11 @@ RESAMPLES = 10_000
 ALPHA = 0.05
 
 
+def no_ratio() -> dict[str, float | None]:
+    """A ratio that could not be measured (too few values)."""
+    return {"value": None, "ci_low": None, "ci_high": None}
+
+
 def _interval(samples: np.ndarray) -> tuple[float, float]:
     lo, hi = np.quantile(samples, [ALPHA / 2, 1 - ALPHA / 2])
     return float(lo), float(hi)
@@ -43,7 +48,7 @@ def bootstrap_ratio(
 ) -> dict[str, float | None]:
     """Percentile ``q`` of ``a`` over that of ``b``, with a 95% percentile-bootstrap interval."""
     if len(a) == 0 or len(b) == 0:
-        return {"value": None, "ci_low": None, "ci_high": None}
+        return no_ratio()
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     rng = np.random.default_rng(seed)
     xs = np.percentile(x[rng.integers(0, len(x), (resamples, len(x)))], q, axis=1)
@@ -58,7 +63,7 @@ def bootstrap_rate_ratio(
 ) -> dict[str, float | None]:  # fmt: skip
     """(sum tokens_a / sum time_a) / (sum tokens_b / sum time_b), queries resampled on each side."""
     if len(tokens_a) == 0 or len(tokens_b) == 0 or sum(time_a) <= 0 or sum(time_b) <= 0:
-        return {"value": None, "ci_low": None, "ci_high": None}
+        return no_ratio()
     ta, sa = np.asarray(tokens_a, float), np.asarray(time_a, float)
     tb, sb = np.asarray(tokens_b, float), np.asarray(time_b, float)
     rng = np.random.default_rng(seed)
@@ -84,10 +89,6 @@ def pairs(a: Sequence[Any], b: Sequence[Any], key: Any) -> list[tuple[Any, Any]]
             out.append((item, seen[k][used[k]]))
             used[k] += 1
     return out
-
-
-def _none() -> dict[str, float | None]:
-    return {"value": None, "ci_low": None, "ci_high": None}
 
 
 def _bootstrap(
@@ -117,7 +118,7 @@ def paired_ratio(
     keep = (x > 0) & (y > 0)
     logs = np.log(x[keep] / y[keep])
     if len(logs) < 3:
-        return _none()
+        return no_ratio()
     value = float(np.exp(logs.mean()))
     if np.all(logs == logs[0]):  # every pair the same ratio: no spread to resample
         return {"value": value, "ci_low": value, "ci_high": value}
@@ -131,7 +132,7 @@ def paired_quantile_ratio(a: Sequence[float], b: Sequence[float], q: float = 50.
     """Percentile ``q`` of ``a`` over that of ``b`` (pairs resampled together), 95% BCa interval."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if len(x) < 3 or len(x) != len(y) or np.percentile(y, q) <= 0:
-        return _none()
+        return no_ratio()
 
     def ratio(u: np.ndarray, v: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.percentile(u, q, axis=axis) / np.percentile(v, q, axis=axis)
@@ -146,7 +147,7 @@ def paired_rate_ratio(tokens_a: Sequence[float], time_a: Sequence[float], tokens
     """(sum tokens_a / sum time_a) / (sum tokens_b / sum time_b), the samples resampled as pairs, BCa."""
     arrays = tuple(np.asarray(v, dtype=float) for v in (tokens_a, time_a, tokens_b, time_b))
     if len(arrays[0]) < 3 or arrays[1].sum() <= 0 or arrays[3].sum() <= 0 or arrays[2].sum() <= 0:
-        return _none()
+        return no_ratio()
 
     def rate_ratio(
         ta: np.ndarray, sa: np.ndarray, tb: np.ndarray, sb: np.ndarray, axis: int = -1

@@ -167,7 +167,7 @@ def ab_compare(variant: str, records: list[QueryRecord], standard: str, std_reco
         tput = sig.bootstrap_rate_ratio([r.output_tokens for r in ok_a], [r.latency_ms for r in ok_a],
                                         [r.output_tokens for r in ok_b], [r.latency_ms for r in ok_b],
                                         seed=seed + 2)  # fmt: skip
-        latency, ttft = p50, {"value": None, "ci_low": None, "ci_high": None}
+        latency, ttft = p50, sig.no_ratio()
         p, test, n_pairs = sig.mann_whitney(lat_a, lat_b), "mann-whitney", 0
     word = sig.verdict(latency, p)
     return {

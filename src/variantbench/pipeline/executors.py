@@ -45,10 +45,17 @@ class InlineExecutor:
             raise JobFailed(str(exc)) from exc
 
 
-def _worker(job: Job, channel: Any) -> None:
+def _worker(job: Job, channel: Any, preload: tuple[str, ...] = ()) -> None:
+    import importlib
+
     from variantbench.quiet import quiet_libraries
 
     quiet_libraries()
+    for name in preload:  # loaded before the job's own clocks start
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     try:
         channel.put(("done", job.run(channel.put)))
     except UserError as exc:
@@ -68,7 +75,7 @@ class LocalProcessExecutor:
     def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]:
         ctx = mp.get_context("spawn")
         channel = ctx.Queue()
-        proc = ctx.Process(target=_preloaded_worker, args=(job, channel, self.preload),
+        proc = ctx.Process(target=_worker, args=(job, channel, self.preload),
                            name=f"variantbench-{job.id}")  # fmt: skip
         proc.start()
         try:
@@ -92,17 +99,6 @@ class LocalProcessExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-
-
-def _preloaded_worker(job: Job, channel: Any, preload: tuple[str, ...]) -> None:
-    import importlib
-
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    _worker(job, channel)
 
 
 EXECUTORS: dict[str, Callable[[], Executor]] = {

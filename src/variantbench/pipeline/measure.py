@@ -84,13 +84,10 @@ def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
         "seeds": result.seeds,
         "fidelity": fidelity,
         "load": asdict(load),
+        # build_s itself is in resources, beside startup_s
         "build": None
         if build is None
-        else {
-            "build_s": build.build_s,
-            "built_now": build.built_now,
-            "build_wall_s": build.build_wall_s,
-        },  # fmt: skip
+        else {"built_now": build.built_now, "build_wall_s": build.build_wall_s},
         "resources": {
             "startup_s": load.startup_s,
             "param_bytes": load.param_bytes,

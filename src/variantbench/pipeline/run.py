@@ -95,6 +95,7 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     check_writable(out)
     if not plan.model.endpoint:
         require("local", "a local model (model.source)")
+        spec = parse_model(plan.model.source)  # a bad path fails here, before anything slow
     specs = parse_variants(plan)
     check_device(plan)
     # a bad workload file or fidelity text stops the run before any model is converted or loaded
@@ -112,7 +113,6 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         endpoint = Endpoint(m.endpoint, model=spec.name, api=m.api, timeout_s=m.request_timeout_s)
         base_dir = ""
     else:
-        spec = parse_model(plan.model.source)
         say = lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True)  # noqa: E731
         base_dir = str(prepare_model(spec, status=say))
     write_plan(plan, out / "plan.yaml")
@@ -206,8 +206,7 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
             run = report.run(variant)
             if run is not None and run.status == "ok":
                 display.finish(f"done ({run.validity.verdict})")
-    report = assemble(header, plan, raws, records, order=order)
-    write_outputs(report, out)
+    write_outputs(report, out)  # the last variant's assembly is the whole report
     return report
 
 

@@ -95,14 +95,13 @@ def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, 
                 threads: int | None = None, say: Callable[[str], None] = lambda _m: None) -> dict[str, ServedModel]:  # fmt: skip
     from variantbench.backends.base import ReportsStatus
     from variantbench.backends.registry import make_backend
-    from variantbench.variants.spec import VariantSpec, build_variant
+    from variantbench.variants.spec import VariantSpec
 
     models: dict[str, ServedModel] = {}
     try:
         for name in variants:
-            spec = VariantSpec.parse(name)
-            artifact = build_variant(model_dir, spec, say=say) if spec.needs_build else None
-            backend = make_backend(spec, artifact, model_dir, device=device, threads=threads)
+            # no artifact: the backend builds the variant (if it must) before its startup clock starts
+            backend = make_backend(VariantSpec.parse(name), None, model_dir, device=device, threads=threads)
             if isinstance(backend, ReportsStatus):
                 backend.status = say
             say(f"loading {name}")

@@ -123,6 +123,14 @@ def plain_artifact(base_dir: str) -> Artifact:
     return Artifact(base_dir=base_dir, source_dir=base_dir)
 
 
+def check_engine(spec: VariantSpec, engine_type: type[Recipe]) -> None:
+    """One line when a backend is handed a variant of another engine."""
+    if not isinstance(spec.engine, engine_type):
+        from variantbench.errors import UserError
+
+        raise UserError(f"{spec.name} is not a variant of this engine ({engine_type.__name__})")
+
+
 def ensure_artifact(
     base_dir: str,
     spec: VariantSpec,
@@ -133,8 +141,6 @@ def ensure_artifact(
 ) -> Artifact:
     """The artifact a backend loads: the one handed over by the build step, else built now (serving,
     tests), always before the backend starts its startup clock."""
-    if engine_type is not None and not isinstance(spec.engine, engine_type):
-        from variantbench.errors import UserError
-
-        raise UserError(f"{spec.name} is not a variant of this engine ({engine_type.__name__})")
+    if engine_type is not None:
+        check_engine(spec, engine_type)
     return artifact if artifact is not None else build_variant(base_dir, spec, seed=seed, say=say)
