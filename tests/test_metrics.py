@@ -10,16 +10,17 @@ from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import Scored, summarize_quality
 
 
-def test_nearest_rank_percentiles() -> None:
+def test_loadgen_percentiles_truncate_n_times_p() -> None:
+    """sorted[int(n * p)], 0-based: where n * p is whole it is one past nearest rank (as LoadGen)."""
     values = [15, 20, 35, 40, 50]
     assert percentile(values, 5) == 15
     assert percentile(values, 30) == 20
-    assert percentile(values, 40) == 20
+    assert percentile(values, 40) == 35  # nearest rank would say 20
     assert percentile(values, 50) == 35
     assert percentile(values, 100) == 50
     hundred = list(range(1, 101))
-    assert percentile(hundred, 99) == 99
-    assert percentile(hundred, 90) == 90
+    assert percentile(hundred, 99) == 100
+    assert percentile(hundred, 90) == 91
     assert distribution([1.0, 2.0, 3.0, 4.0])["mean"] == 2.5
     assert percentile([], 50) is None
     with pytest.raises(ValueError):

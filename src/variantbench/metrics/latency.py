@@ -1,20 +1,26 @@
-"""Latency statistics. Percentiles by nearest rank over every counted query, as MLPerf does."""
+"""Latency statistics. One percentile definition everywhere: MLPerf LoadGen's summary's.
+
+LoadGen (``results.cc``, ``PerformanceSummary::ProcessLatencies``) sorts the latencies and takes
+``sorted[size_t(n * p)]``: the element at the truncated index ``n * p`` (0-based), not the
+nearest rank ``ceil(n * p) - 1``. The two differ whenever ``n * p`` is a whole number: on 400
+queries LoadGen's P99 is the 397th value, nearest rank's the 396th. ``tests/test_loadgen_parity.py``
+runs LoadGen itself (``mlcommons-loadgen``) and checks our percentiles against its summary.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-import math
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile: the smallest value with at least p% of values at or below it."""
+    """LoadGen's percentile: ``sorted(values)[int(n * p / 100)]`` (the last value for p = 100)."""
     if not 0 < p <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {p}")
     if not values:
         return None
     ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100 * len(ordered)))
-    return float(ordered[rank - 1])
+    index = int(len(ordered) * (p / 100))  # the same double product LoadGen truncates
+    return float(ordered[min(index, len(ordered) - 1)])
 
 
 def mean(values: Sequence[float]) -> float | None:
