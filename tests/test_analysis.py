@@ -12,7 +12,7 @@ import pytest
 from variantbench.analysis.cost import CostModel, derive
 from variantbench.analysis.recommend import PROFILES, Profile, recommend
 from variantbench.metrics import significance as sig
-from variantbench.report.schema import Cost, QualityVsStandard, Resources, RunReport
+from variantbench.report.schema import AB, Cost, QualityVsStandard, Ratio, Resources, RunReport
 from variantbench.trackers.resources import ResourceTracker, rapl_domains, window_resources
 
 # ---- trackers ------------------------------------------------------------------------------------
@@ -115,41 +115,95 @@ def test_cost_numbers_can_be_checked_by_hand() -> None:
 
 
 def _run(name: str, p99: float, rss_gb: float, quality: float, tok_s: float, price: float,
-         build_s: float = 0.0) -> RunReport:  # fmt: skip
+         build_s: float = 0.0, p99_ratio: tuple[float, float, float] | None = None,
+         batch: list[float] | None = None) -> RunReport:  # fmt: skip
     run = RunReport(variant=name)
     run.latency_ms.p99 = p99
-    run.resources = Resources(peak_rss_bytes=int(rss_gb * 2**30))
+    run.resources = Resources(peak_rss_bytes=int(rss_gb * 2**30), build_s=build_s)
     run.quality_vs_standard = QualityVsStandard(standard="fp32", ratio=quality)
     run.throughput.output_tokens_per_s = tok_s
     run.throughput.qps = tok_s / 50
     run.cost = Cost(per_million_output_tokens=price, inputs={"currency": "USD"})
     run.backend = {"device": "cpu", "built": {"build_s": build_s}}
+    if p99_ratio is not None:
+        value, lo, hi = p99_ratio
+        run.ab_vs_standard = AB(standard="fp32", latency_p99_ratio=Ratio(value=value, ci_low=lo, ci_high=hi))
+    if batch is not None:
+        run.batch_throughput = {"tokens_per_s": sum(batch) / len(batch), "values": batch}
     return run
 
 
+def _cmp(a: str, b: str, state: str, ratio: float, lo: float, hi: float, metric: str = "throughput") -> dict:
+    return {"a": a, "b": b, "metric": metric, "ratio": ratio, "ci_low": lo, "ci_high": hi, "confidence": 0.95,
+            "pairs": 40, "state": state, "more_samples": None}  # fmt: skip
+
+
+RUNS = [
+    _run("fp32", p99=1000, rss_gb=1.5, quality=1.0, tok_s=100, price=0.50, batch=[100, 101]),
+    _run("int8", p99=1800, rss_gb=0.8, quality=0.93, tok_s=60, price=0.40, p99_ratio=(1.8, 1.6, 2.0),
+         batch=[60, 61]),
+    _run("drop", p99=600, rss_gb=0.9, quality=0.80, tok_s=180, price=0.20, p99_ratio=(0.6, 0.5, 0.7),
+         batch=[180, 181]),
+    _run("distilled", p99=650, rss_gb=0.9, quality=0.96, tok_s=170, price=0.25, build_s=900,
+         p99_ratio=(0.65, 0.6, 0.7), batch=[170, 171]),
+]  # fmt: skip
+DECIDED = [
+    _cmp("distilled", "int8", "faster", 2.8, 2.5, 3.1),
+    _cmp("distilled", "fp32", "faster", 1.7, 1.5, 1.9),
+    _cmp("int8", "fp32", "slower", 0.6, 0.55, 0.65),
+    _cmp("distilled", "fp32", "faster", 1.69, 1.6, 1.8, "batch throughput"),
+    _cmp("drop", "fp32", "faster", 1.79, 1.7, 1.9, "batch throughput"),
+    _cmp("int8", "fp32", "slower", 0.6, 0.58, 0.62, "batch throughput"),
+]
+
+
 def test_recommendation_picks_the_cheapest_that_fits_and_says_why_the_others_fail() -> None:
-    runs = [
-        _run("fp32", p99=1000, rss_gb=1.5, quality=1.0, tok_s=100, price=0.50),
-        _run("int8", p99=1800, rss_gb=0.8, quality=0.93, tok_s=60, price=0.40),
-        _run("drop", p99=600, rss_gb=0.9, quality=0.80, tok_s=180, price=0.20),
-        _run("distilled", p99=650, rss_gb=0.9, quality=0.96, tok_s=170, price=0.25, build_s=900),
-    ]
-    edge = recommend(runs, "fp32", PROFILES["edge"])
+    runs = RUNS
+    edge = recommend(runs, "fp32", PROFILES["edge"], DECIDED)
     assert edge["variant"] == "distilled"
     assert "peak memory" in edge["reasons"]["fp32"] and "budget" in edge["reasons"]["fp32"]
     assert "quality 80.0%" in edge["reasons"]["drop"]
-    assert "cheapest" in edge["reasons"]["distilled"] and "0.25" in edge["reasons"]["distilled"]
-    cloud = recommend(runs, "fp32", PROFILES["cloud"])
+    why = edge["reasons"]["distilled"]
+    assert "cheapest" in why and "0.25" in why and "faster than int8 on throughput (2.80 [2.50, 3.10])" in why
+    cloud = recommend(runs, "fp32", PROFILES["cloud"], DECIDED)
     assert cloud["variant"] == "fp32"  # the only one at 99% quality
     assert "build time 900 s > budget 600 s" in cloud["reasons"]["distilled"]
-    latency = recommend(runs, "fp32", PROFILES["latency"])
-    assert latency["variant"] == "distilled" and "P99 latency 1,800 ms" in latency["reasons"]["int8"]
-    batch = recommend(runs, "fp32", PROFILES["batch"])
-    assert batch["variant"] == "distilled" and "output tokens/s" in batch["reasons"]["int8"]
+    latency = recommend(runs, "fp32", PROFILES["latency"], DECIDED)
+    assert latency["variant"] == "distilled"
+    assert "P99 latency vs the standard's 1.80 [1.60, 2.00]: not shown" in latency["reasons"]["int8"]
+    batch = recommend(runs, "fp32", PROFILES["batch"], DECIDED)
+    assert batch["variant"] == "distilled" and batch["ranked_by"] == "batch-8 decode tokens/s"
+    assert "batch-8 throughput vs the standard's 0.60 [0.58, 0.62]: not shown" in batch["reasons"]["int8"]
     none = recommend(runs, "fp32", Profile(name="x", p99_latency_ms=100))
     assert none["variant"] is None and all("P99" in why for why in none["reasons"].values())
     failed = RunReport(variant="onnx", status="failed", error="no kernel")
     assert "did not run: no kernel" in recommend([*runs, failed], "fp32", PROFILES["edge"])["reasons"]["onnx"]
+
+
+def test_a_tie_is_called_a_tie_and_broken_by_memory_then_bytes() -> None:
+    """Not shown faster beyond the tie band: tied, and the secondary criterion picks, in words."""
+    fp32 = _run("fp32", p99=1000, rss_gb=1.0, quality=1.0, tok_s=100, price=0.50)
+    bf16 = _run("bf16", p99=870, rss_gb=0.6, quality=1.0, tok_s=115, price=0.45, p99_ratio=(0.87, 0.45, 1.15))
+    undecided = [_cmp("bf16", "fp32", "undecided", 1.15, 0.83, 2.11)]
+    cloud = recommend([fp32, bf16], "fp32", PROFILES["cloud"], undecided)
+    assert cloud["variant"] == "bf16" and cloud["tied"] == ["bf16", "fp32"]
+    assert "bf16 and fp32 are not told apart on throughput (1.15 [0.83, 2.11])" in cloud["summary"]
+    assert "bf16 needs 40% less memory (644 MB vs 1,074 MB)" in cloud["summary"]
+    # the same memory (within the band): fewer weight bytes decide; then nothing does: the standard stays
+    same = _run("bf16", p99=870, rss_gb=1.01, quality=1.0, tok_s=115, price=0.45)
+    fp32.resources.param_bytes, same.resources.param_bytes = 500_000_000, 250_000_000
+    tied = [_cmp("bf16", "fp32", "tied", 1.01, 0.99, 1.02)]
+    rec = recommend([fp32, same], "fp32", PROFILES["cloud"], tied)
+    assert (
+        rec["variant"] == "bf16"
+        and "are tied on throughput" in rec["summary"]
+        and "weight bytes" in rec["summary"]
+    )
+    same.resources.param_bytes = 500_000_000
+    rec = recommend([fp32, same], "fp32", PROFILES["cloud"], tied)
+    assert rec["variant"] == "fp32" and "no secondary criterion separates them" in rec["summary"]
+    # the latency profile: bf16's P99 interval reaches 1.15 > 1.03: not shown to meet it
+    assert recommend([fp32, bf16], "fp32", PROFILES["latency"], undecided)["variant"] == "fp32"
 
 
 # ---- diagnosis -----------------------------------------------------------------------------------

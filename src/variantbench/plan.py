@@ -195,6 +195,17 @@ class AnalysisPlan(_Section):
         True, description="profile each variant (operator families, batch 1/8/32, ceilings)"
     )
     cold_start: bool = Field(True, description="time a fresh process to its first token, model files out of the page cache")  # fmt: skip
+    batch_rounds: int = Field(4, ge=0, le=20, description="batch-8 decode measurements per variant, for the batch profile (0: none)")  # fmt: skip
+    until_decided: bool = Field(False, description="keep measuring in rounds until every comparison the recommendation ranks by is decided, or the looks run out")  # fmt: skip
+    tie_band: float = Field(
+        3.0, ge=0, lt=50, description="%: two variants within this of each other are tied"
+    )
+    looks: PositiveInt = Field(
+        4, le=20, description="most looks at the data under until_decided (each at alpha/looks)"
+    )
+    alpha: float = Field(
+        0.05, gt=0, lt=0.5, description="error rate of the whole comparison (Bonferroni-split over looks)"
+    )
 
 
 class CostPlan(_Section):
@@ -246,6 +257,10 @@ class DecisionPlan(_Section):
 
 class ExecutionPlan(_Section):
     executor: Literal["local", "inline"] = Field("local", description="local: each job in its own process; inline: in this process")  # fmt: skip
+    interleave: bool = Field(True, description="load every variant at once and alternate between them in rounds, so drift lands on all alike")  # fmt: skip
+    block_s: float = Field(
+        10.0, gt=0, description="server scenario, interleaved: seconds of arrivals per block"
+    )
 
 
 class Plan(_Section):

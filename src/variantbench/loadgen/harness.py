@@ -46,6 +46,10 @@ class LoadSettings:
     run_id: str = "run"
     # MLPerf's accuracy log: the share of queries whose output is kept and scored (seeded choice)
     accuracy_share: float = 1.0
+    # an interleaved block: queries [first_query, first_query + min_queries) of the run's one sample
+    # order, so every variant answers the same samples in the same block; -1: the whole run at once
+    first_query: int = 0
+    block: int = -1
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -123,9 +127,12 @@ def run_scenario(
     cap = s.max_queries or max(s.min_queries, 1_000_000)
     planned = scenario.planned(s, cap)
     per_query = scenario.samples_per_query(s)
-    # the sample order is drawn once; a run longer than it cycles through it again
+    # the sample order is drawn once; a run longer than it cycles through it again. A block reads
+    # its slice of the same order (a prefix of the order does not depend on its length).
     order = sample_order(
-        len(library), min(planned, 4 * max(s.min_queries, len(library))) * per_query, s.sample_seed
+        len(library),
+        (s.first_query + min(planned, 4 * max(s.min_queries, len(library)))) * per_query,
+        s.sample_seed,
     )
 
     lock = threading.Condition()
@@ -184,11 +191,12 @@ def run_scenario(
             sys.setswitchinterval(min(switch_interval, 0.0002))
         started = time.perf_counter_ns()
         max_end = started + int(s.max_duration_s * 1e9) if s.max_duration_s else None
-        cursor = 0
-        accuracy_pick = random.Random(f"accuracy-log-{s.sample_seed}")
+        cursor = s.first_query * per_query
+        accuracy_pick = random.Random(f"accuracy-log-{s.sample_seed}-{s.first_query}")
 
         def make(query_index: int, scheduled: int) -> list[Pending]:
             nonlocal cursor
+            query_index += s.first_query
             group = []
             for _ in range(per_query):
                 sample = library.sample(order[cursor % len(order)])
@@ -200,6 +208,7 @@ def run_scenario(
                     input_tokens=0, output_tokens=0, reference=sample.reference, query=query_index,
                     alternatives=list(sample.alternatives),
                     scored=s.accuracy_share >= 1 or accuracy_pick.random() < s.accuracy_share,
+                    block=s.block,
                 )  # fmt: skip
                 group.append(Pending(rec, _request(sample, f"q{cursor - 1}", s.max_new_tokens)))
             return group

@@ -136,7 +136,10 @@ class Server(_Unscheduled):
         return min(cap, max(s.min_queries, math.ceil((s.rate_qps or 0) * s.min_duration_s)))
 
     def schedule(self, s: LoadSettings, planned: int) -> list[int] | None:
-        return arrival_offsets_ns(planned, s.rate_qps or 1.0, s.schedule_seed, s.burstiness)
+        # a block's schedule is drawn from the run's seed and the block's place in the run: every
+        # variant gets the same arrivals in the same block
+        seed = s.schedule_seed if s.first_query == 0 else [s.schedule_seed, s.first_query]
+        return arrival_offsets_ns(planned, s.rate_qps or 1.0, seed, s.burstiness)
 
     def issue(self, ctx: IssueContext) -> int:
         assert ctx.offsets_ns is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def arrival_offsets_ns(n: int, rate_qps: float, seed: int, burstiness: float = 1.0) -> list[int]:
+def arrival_offsets_ns(n: int, rate_qps: float, seed: int | list[int], burstiness: float = 1.0) -> list[int]:
     """Offsets from the run start (ns) of ``n`` arrivals at ``rate_qps`` on average; first at 0."""
     if rate_qps <= 0:
         raise ValueError(f"rate must be positive, got {rate_qps}")

@@ -92,7 +92,12 @@ def pairs(a: Sequence[Any], b: Sequence[Any], key: Any) -> list[tuple[Any, Any]]
 
 
 def _bootstrap(
-    data: tuple[np.ndarray, ...], statistic: Any, seed: int, resamples: int, paired: bool
+    data: tuple[np.ndarray, ...],
+    statistic: Any,
+    seed: int,
+    resamples: int,
+    paired: bool,
+    confidence: float = 1 - ALPHA,
 ) -> tuple:
     """BCa interval, falling back to the percentile method where BCa is undefined (ties, tiny n)."""
     import warnings
@@ -103,7 +108,8 @@ def _bootstrap(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             res = bootstrap(data, statistic, n_resamples=resamples, paired=paired, vectorized=True,
-                            method=method, rng=np.random.default_rng(seed))  # fmt: skip
+                            method=method, confidence_level=confidence,
+                            rng=np.random.default_rng(seed))  # fmt: skip
         lo, hi = res.confidence_interval
         if np.isfinite(lo) and np.isfinite(hi):
             return float(lo), float(hi)
@@ -143,7 +149,8 @@ def paired_quantile_ratio(a: Sequence[float], b: Sequence[float], q: float = 50.
 
 
 def paired_rate_ratio(tokens_a: Sequence[float], time_a: Sequence[float], tokens_b: Sequence[float],
-                      time_b: Sequence[float], seed: int = 0, resamples: int = RESAMPLES) -> dict[str, float | None]:  # fmt: skip
+                      time_b: Sequence[float], seed: int = 0, resamples: int = RESAMPLES,
+                      confidence: float = 1 - ALPHA) -> dict[str, float | None]:  # fmt: skip
     """(sum tokens_a / sum time_a) / (sum tokens_b / sum time_b), the samples resampled as pairs, BCa."""
     arrays = tuple(np.asarray(v, dtype=float) for v in (tokens_a, time_a, tokens_b, time_b))
     if len(arrays[0]) < 3 or arrays[1].sum() <= 0 or arrays[3].sum() <= 0 or arrays[2].sum() <= 0:
@@ -156,7 +163,7 @@ def paired_rate_ratio(tokens_a: Sequence[float], time_a: Sequence[float], tokens
             return (ta.sum(axis) / sa.sum(axis)) / (tb.sum(axis) / sb.sum(axis))
 
     value = float(rate_ratio(*arrays))
-    lo, hi = _bootstrap(arrays, rate_ratio, seed, resamples, paired=True)
+    lo, hi = _bootstrap(arrays, rate_ratio, seed, resamples, paired=True, confidence=confidence)
     return {"value": value, "ci_low": lo, "ci_high": hi}
 
 
@@ -224,5 +231,44 @@ def across_runs(values: Sequence[float]) -> dict[str, float | int | None]:
         return {"n": 1, "mean": mean, "ci_low": None, "ci_high": None}
     from scipy.stats import t
 
-    half = float(t.ppf(1 - ALPHA / 2, n - 1) * np.std(values, ddof=1) / math.sqrt(n))
-    return {"n": n, "mean": mean, "ci_low": mean - half, "ci_high": mean + half}
+    sd = float(np.std(values, ddof=1))
+    if sd == 0:
+        return {"n": n, "mean": mean, "ci_low": mean, "ci_high": mean}
+    lo, hi = t.interval(1 - ALPHA, n - 1, loc=mean, scale=sd / math.sqrt(n))
+    return {"n": n, "mean": mean, "ci_low": float(lo), "ci_high": float(hi)}
+
+
+def rate_interval(tokens: Sequence[float], times: Sequence[float], seed: int = 0, resamples: int = RESAMPLES,
+                  confidence: float = 1 - ALPHA) -> dict[str, float | None]:  # fmt: skip
+    """sum(tokens) / sum(times) over queries with a BCa interval, the queries resampled."""
+    t, s = np.asarray(tokens, dtype=float), np.asarray(times, dtype=float)
+    if len(t) < 3 or s.sum() <= 0 or t.sum() <= 0:
+        return no_ratio()
+
+    def rate(u: np.ndarray, v: np.ndarray, axis: int = -1) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return u.sum(axis) / v.sum(axis)
+
+    value = float(rate(t, s))
+    lo, hi = _bootstrap((t, s), rate, seed, resamples, paired=True, confidence=confidence)
+    return {"value": value, "ci_low": lo, "ci_high": hi}
+
+
+def log_ratio_interval(
+    a: Sequence[float], b: Sequence[float], confidence: float = 1 - ALPHA
+) -> dict[str, float | None]:
+    """Geometric mean of a_i / b_i over repeated paired measurements, t-interval on the logs (scipy)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    keep = (x > 0) & (y > 0)
+    logs = np.log(x[keep] / y[keep])
+    if len(logs) < 2:
+        return no_ratio()
+    from scipy.stats import t
+
+    mean = float(logs.mean())
+    if np.all(logs == logs[0]):
+        return {"value": math.exp(mean), "ci_low": math.exp(mean), "ci_high": math.exp(mean)}
+    lo, hi = t.interval(
+        confidence, len(logs) - 1, loc=mean, scale=float(logs.std(ddof=1) / math.sqrt(len(logs)))
+    )
+    return {"value": math.exp(mean), "ci_low": math.exp(lo), "ci_high": math.exp(hi)}

@@ -29,17 +29,38 @@ class Window:
     end_ns: int = 0
 
 
+def block_spans(records: Sequence[QueryRecord]) -> list[tuple[int, int]]:
+    """Where the variant was measured: one (first scheduled, last completed) span per interleaved
+    block (one span for a run that was not interleaved). Between blocks the other variants ran."""
+    spans: dict[int, tuple[int, int]] = {}
+    for r in records:
+        lo, hi = spans.get(r.block, (r.scheduled_ns, r.completed_ns))
+        spans[r.block] = (min(lo, r.scheduled_ns), max(hi, r.completed_ns))
+    return sorted(spans.values())
+
+
+def active_s(records: Sequence[QueryRecord]) -> float:
+    """Seconds the variant was measured: its blocks' spans summed (the run's span if not interleaved)."""
+    return sum(hi - lo for lo, hi in block_spans(records)) / 1e9
+
+
+def _busy_ns(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
+    return sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
+
+
 def windows(records: Sequence[QueryRecord], size: int = 50) -> list[Window]:
     if size < 1:
         raise ValueError("window size must be at least 1")
     done = sorted(records, key=lambda r: r.completed_ns)
+    spans = block_spans(done)
     out: list[Window] = []
     previous_end = min((r.issued_ns for r in done), default=0)
     for i in range(0, len(done) - size + 1, size):
         chunk = done[i : i + size]
         ok = [r for r in chunk if r.status == "ok"]
         lat = [r.latency_from_scheduled_ms for r in ok]
-        span_s = (chunk[-1].completed_ns - previous_end) / 1e9
+        # the window's own measured time: the gaps where other variants ran are not its time
+        span_s = _busy_ns(spans, previous_end, chunk[-1].completed_ns) / 1e9
         chunk_start, previous_end = previous_end, chunk[-1].completed_ns
         out.append(
             Window(

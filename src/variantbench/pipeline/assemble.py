@@ -33,6 +33,7 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
     report = header.model_copy(update={"runs": [], "recommendations": {}})
     standard: tuple[RunReport, list[QueryRecord]] | None = None
     standard_repeats: list[RunReport] = []
+    measured: dict[str, list[QueryRecord]] = {}  # each variant's records over its repeats
     for variant in order:
         repeats: list[RunReport] = []
         for raw in sorted((r for r in raws if r["variant"] == variant), key=lambda r: r.get("repeat", 0)):
@@ -41,6 +42,8 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
                 continue
             recs = [r for r in by_run.get(raw["run_id"], []) if r.variant in (variant, raw.get("name"))]
             run = summarize_payload(raw, recs, plan, standard, header.ceilings)
+            if run.status == "ok":
+                measured.setdefault(variant, []).extend(recs)
             if raw.get("repeat", 0) == 0 and variant == header.standard and run.status == "ok":
                 standard = (run, recs)
             repeats.append(run)
@@ -53,8 +56,29 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
         if wall is not None:
             run.backend.setdefault("wall_s", wall)
         report.runs.append(run)
+    report.comparisons = [c.to_json() for c in comparisons(report, plan, measured)]
     finalize(report, plan)
     return report
+
+
+def comparisons(report: Report, plan: Plan, measured: dict[str, list[QueryRecord]]) -> list[Any]:
+    """Every pair of measured variants: paired throughput over the samples both answered (at the
+    confidence the run's looks used), and batch throughput over the interleaved batch rounds."""
+    from variantbench.metrics.sequential import all_pairs, compare_repeated, look_confidence
+
+    a = plan.analysis
+    confidence = look_confidence(a.alpha, a.looks if a.until_decided else 1)
+    band = a.tie_band / 100
+    ok = [r.variant for r in report.runs if r.status == "ok" and r.variant in measured]
+    out = all_pairs({v: measured[v] for v in ok}, confidence=confidence, band=band)
+    batch = {r.variant: r.batch_throughput["values"] for r in report.runs
+             if r.status == "ok" and r.batch_throughput and len(r.batch_throughput["values"]) >= 2}  # fmt: skip
+    names = [v for v in ok if v in batch]
+    for i, x in enumerate(names):
+        for y in names[i + 1 :]:
+            out.append(compare_repeated(x, y, batch[x], batch[y], metric="batch throughput",
+                                        confidence=1 - a.alpha, band=band))  # fmt: skip
+    return out
 
 
 def summarize_payload(
@@ -99,6 +123,16 @@ def summarize_payload(
     run.cost = Cost(**derive(cost_model(plan), duration_s=run.duration_s, output_tokens=ok_tokens,
                              energy_j=raw.get("energy_j"), tracked_wall_s=raw.get("wall_s"),
                              quality=run.quality.composite))  # fmt: skip
+    _cost_intervals(run, records)
+    batch = payload.get("batch_decode")
+    if batch and batch.get("tokens_per_s"):
+        from variantbench.metrics.significance import across_runs
+
+        values = [float(v) for v in batch["tokens_per_s"]]
+        spread = across_runs(values)
+        run.batch_throughput = {"batch": batch["size"], "new_tokens": batch["new_tokens"], "values": values,
+                                "tokens_per_s": spread["mean"], "ci_low": spread["ci_low"],
+                                "ci_high": spread["ci_high"]}  # fmt: skip
     if payload.get("is_standard"):
         run.quality_vs_standard = compare_to_standard(run, records, run, records)
     elif standard is not None:
@@ -119,6 +153,24 @@ def summarize_payload(
             ceiling_gbps=(ceilings or {}).get("memory_gbps"),
         )
     return run
+
+
+def _cost_intervals(run: RunReport, records: list[QueryRecord]) -> None:
+    """The cost's and efficiency's 95% intervals from the throughput's: the cost per token scales as
+    1/throughput (hardware time and energy per token both do), the efficiency as throughput^2."""
+    from variantbench.metrics.significance import rate_interval
+
+    ok = [r for r in records if r.status == "ok"]
+    tput = rate_interval([r.output_tokens for r in ok], [r.latency_ms for r in ok])
+    value, lo, hi = tput["value"], tput["ci_low"], tput["ci_high"]
+    if run.cost is None or not value or lo is None or hi is None or lo <= 0:
+        return
+    if run.cost.per_million_output_tokens is not None:
+        c = run.cost.per_million_output_tokens
+        run.cost.per_million_output_tokens_ci = [c * value / hi, c * value / lo]
+    if run.cost.efficiency is not None:
+        e = run.cost.efficiency
+        run.cost.efficiency_ci = [e * (lo / value) ** 2, e * (hi / value) ** 2]
 
 
 def cost_model(plan: Plan) -> Any:
@@ -242,5 +294,8 @@ def finalize(report: Report, plan: Plan) -> None:
             ratio(run.speed.prefill_tokens_per_s, std.speed.prefill_tokens_per_s),
         )  # fmt: skip
     report.recommendations = {
-        name: recommend(report.runs, report.standard, p) for name, p in plan.decision.profiles().items()
+        name: recommend(
+            report.runs, report.standard, p, report.comparisons, band=plan.analysis.tie_band / 100
+        )
+        for name, p in plan.decision.profiles().items()
     }

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import multiprocessing as mp
 import queue as queue_mod
 import traceback
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from variantbench.errors import UserError
 
@@ -35,6 +35,29 @@ class Executor(Protocol):
     def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]: ...
 
 
+class ResidentJob(Protocol):
+    """A job that stays loaded and answers calls: ``open(emit)`` returns an object whose methods
+    take their arguments and ``emit`` (an interleaved variant: ``block``, ``finish``, ``close``)."""
+
+    @property
+    def id(self) -> str: ...
+
+    def open(self, emit: OnEvent) -> Any: ...
+
+
+class Session(Protocol):
+    def call(self, method: str, *args: Any, on_event: OnEvent) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Resident(Protocol):
+    """An executor that can keep a job loaded between calls (what interleaving needs)."""
+
+    def open(self, job: ResidentJob, on_event: OnEvent) -> Session: ...
+
+
 class InlineExecutor:
     """In this process: for debugging, and where a second process is not wanted (``--no-isolate``)."""
 
@@ -44,8 +67,61 @@ class InlineExecutor:
         except UserError as exc:
             raise JobFailed(str(exc)) from exc
 
+    def open(self, job: ResidentJob, on_event: OnEvent) -> Session:
+        try:
+            return _InlineSession(job.open(on_event))
+        except UserError as exc:
+            raise JobFailed(str(exc)) from exc
 
-def _worker(job: Job, channel: Any, preload: tuple[str, ...] = ()) -> None:
+
+class _InlineSession:
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.closed = False
+
+    def call(self, method: str, *args: Any, on_event: OnEvent) -> Any:
+        try:
+            return getattr(self.target, method)(*args, on_event)
+        except UserError as exc:
+            raise JobFailed(str(exc)) from exc
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.target.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, UserError):
+        return str(exc)
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def _resident(job: ResidentJob, commands: Any, channel: Any, preload: tuple[str, ...] = ()) -> None:
+    """A spawned process holding one opened job; it answers calls until told to stop."""
+    _prepare(preload)
+    try:
+        target = job.open(channel.put)
+    except BaseException as exc:  # report, never hang the parent
+        channel.put(("failed", _one_line(exc)))
+        return
+    channel.put(("done", None))
+    while True:
+        command = commands.get()
+        if command is None:
+            try:
+                target.close()
+            except BaseException:  # noqa: BLE001 - closing at the end: nothing left to report to
+                pass
+            return
+        method, args = command
+        try:
+            channel.put(("done", getattr(target, method)(*args, channel.put)))
+        except BaseException as exc:  # noqa: BLE001 - the parent decides what a failed call means
+            channel.put(("failed", _one_line(exc)))
+
+
+def _prepare(preload: tuple[str, ...]) -> None:
     import importlib
 
     from variantbench.quiet import quiet_libraries
@@ -56,12 +132,33 @@ def _worker(job: Job, channel: Any, preload: tuple[str, ...] = ()) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+
+
+def _worker(job: Job, channel: Any, preload: tuple[str, ...] = ()) -> None:
+    _prepare(preload)
     try:
         channel.put(("done", job.run(channel.put)))
-    except UserError as exc:
-        channel.put(("failed", str(exc)))
     except BaseException as exc:  # report, never hang the parent
-        channel.put(("failed", traceback.format_exception_only(type(exc), exc)[-1].strip()))
+        channel.put(("failed", _one_line(exc)))
+
+
+def _await(proc: Any, channel: Any, on_event: OnEvent, what: str) -> Any:
+    """Relay a process's events until its answer; a process that dies without one fails the call."""
+    while True:
+        try:
+            event = channel.get(timeout=0.2)
+        except queue_mod.Empty:
+            if proc.is_alive():
+                continue
+            try:  # one last look: the result may have landed just before the exit
+                event = channel.get(timeout=1.0)
+            except queue_mod.Empty:
+                raise JobFailed(f"{what}: its process exited with code {proc.exitcode}") from None
+        if event[0] == "done":
+            return event[1]
+        if event[0] == "failed":
+            raise JobFailed(event[1])
+        on_event(event)
 
 
 class LocalProcessExecutor:
@@ -79,26 +176,47 @@ class LocalProcessExecutor:
                            name=f"variantbench-{job.id}")  # fmt: skip
         proc.start()
         try:
-            while True:
-                try:
-                    event = channel.get(timeout=0.2)
-                except queue_mod.Empty:
-                    if proc.is_alive():
-                        continue
-                    try:  # one last look: the result may have landed just before the exit
-                        event = channel.get(timeout=1.0)
-                    except queue_mod.Empty:
-                        raise JobFailed(f"{job.id}: its process exited with code {proc.exitcode}") from None
-                if event[0] == "done":
-                    return event[1]
-                if event[0] == "failed":
-                    raise JobFailed(event[1])
-                on_event(event)
+            return _await(proc, channel, on_event, job.id)
         finally:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _stop(proc)
+
+    def open(self, job: ResidentJob, on_event: OnEvent) -> Session:
+        ctx = mp.get_context("spawn")
+        commands, channel = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_resident, args=(job, commands, channel, self.preload),
+                           name=f"variantbench-{job.id}")  # fmt: skip
+        proc.start()
+        try:
+            _await(proc, channel, on_event, job.id)
+        except BaseException:
+            _stop(proc)
+            raise
+        return _ProcessSession(proc, commands, channel, job.id)
+
+
+def _stop(proc: Any, timeout_s: float = 10) -> None:
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+class _ProcessSession:
+    """A resident job in its own process: each call is a message, its events relayed as they come."""
+
+    def __init__(self, proc: Any, commands: Any, channel: Any, name: str) -> None:
+        self.proc, self.commands, self.channel, self.name = proc, commands, channel, name
+
+    def call(self, method: str, *args: Any, on_event: OnEvent) -> Any:
+        if not self.proc.is_alive():
+            raise JobFailed(f"{self.name}: its process exited with code {self.proc.exitcode}")
+        self.commands.put((method, args))
+        return _await(self.proc, self.channel, on_event, f"{self.name} ({method})")
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.commands.put(None)
+        _stop(self.proc)
 
 
 EXECUTORS: dict[str, Callable[[], Executor]] = {

@@ -75,6 +75,7 @@ class MeasureJob:
     diagnose: bool = False
     counters: str = ""  # whether perf cache counters work here (analysis.diagnosis.cache_counters)
     repeat: int = 0
+    batch_rounds: int = 0  # batching-throughput measurements (batch-8 decode) after the scenario
 
     @property
     def id(self) -> str:
@@ -95,6 +96,12 @@ class MeasureJob:
         from variantbench.pipeline.measure import measure_variant
 
         return measure_variant(self, emit)
+
+    def open(self, emit: Emit) -> Any:
+        """The variant loaded and kept: a ``VariantSession`` for interleaved blocks."""
+        from variantbench.pipeline.measure import VariantSession
+
+        return VariantSession(self, emit)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import resource
 from typing import TYPE_CHECKING, Any
 
 from variantbench.backends.base import LogProbs, ReportsStatus
-from variantbench.loadgen.harness import RunLog, run_scenario
+from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
 from variantbench.report.schema import Resources
 from variantbench.report.summary import summarize_run
@@ -21,92 +21,170 @@ if TYPE_CHECKING:
     from variantbench.pipeline.jobs import Emit, MeasureJob
 
 
-def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
-    from variantbench.trackers.resources import ResourceTracker
+# The batching throughput: decode at batch 8, 32 new tokens, measured BATCH_ROUNDS times per variant
+# (interleaved with the other variants' when the run is): on the 2-core AVX2 host, one such
+# measurement of the default model takes 1-3 s, and four give a t-interval for the batch profile.
+BATCH_SIZE = 8
+BATCH_NEW = 32
 
-    backend = job.backend()
-    if isinstance(backend, ReportsStatus):
-        backend.status = lambda msg: emit(("status", msg))
-    emit(("status", f"loading {job.variant}"))
+
+def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
+    """The whole run of one variant at once (not interleaved): load, run the scenario, finish."""
+    session = VariantSession(job, emit)
     try:
-        load = backend.load()
-        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        records = session.peak(emit) if job.find_peak else session.block(job.load, emit)
+        if job.batch_rounds:
+            for _ in range(job.batch_rounds):
+                session.batch_rate(BATCH_SIZE, BATCH_NEW, emit)
+    except BaseException:
+        session.close()
+        raise
+    return {**session.finish(emit), "records": records}
+
+
+class VariantSession:
+    """One loaded variant that runs blocks of a scenario on demand, then its fidelity and diagnosis.
+
+    Interleaved execution keeps one session per variant, each in its own process, and hands them
+    blocks in turn (``pipeline/interleave.py``); a plain run is one session with one block. Resources
+    are tracked during blocks only, so a variant waiting while the others run is not charged the
+    idle time (its CPU utilization and energy are those of its own blocks).
+    """
+
+    def __init__(self, job: MeasureJob, emit: Emit) -> None:
+        self.job = job
+        self.backend = job.backend()
+        if isinstance(self.backend, ReportsStatus):
+            self.backend.status = lambda msg: emit(("status", msg))
+        emit(("status", f"loading {job.variant}"))
+        try:
+            self.load = self.backend.load()
+        except BaseException:
+            self.backend.close()
+            raise
+        self.load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.usage: list[Any] = []  # one ResourceResult per block
+        self.trials: list[dict[str, Any]] = []
+        self.result: RunLog | None = None
+        self.warmed = False
+        self.closed = False
+        self.batch_rates: list[float] = []
+
+    def _tracker(self) -> Any:
+        from variantbench.trackers.resources import ResourceTracker
+
+        d = self.job.device
+        gpu = int(d.split(":")[1]) if d.startswith("cuda:") else (0 if d == "cuda" else None)
+        return ResourceTracker(watts_per_core=self.job.watts_per_core, gpu_index=gpu)
+
+    def block(self, settings: LoadSettings, emit: Emit) -> list[dict[str, Any]]:
+        """Run one block (or the whole run) of the scenario; its records, also appended to the log."""
 
         def progress(phase: str, done: int, total: int) -> None:
             emit(("progress", phase, done, total))
 
-        trials: list[dict[str, Any]] = []
-        gpu = (
-            int(job.device.split(":")[1])
-            if job.device.startswith("cuda:")
-            else (0 if job.device == "cuda" else None)
-        )
-        tracker = ResourceTracker(watts_per_core=job.watts_per_core, gpu_index=gpu)
-        with QueryLog(job.log_path) as log, tracker:
-            if job.find_peak:
-                result, trials = find_peak(job, backend, log, progress, emit)
-            else:
-                result = run_scenario(backend, job.workload, job.load, log, progress=progress)
-        fidelity = None
-        if job.fidelity is not None and isinstance(backend, LogProbs):
-            from variantbench.metrics.fidelity import measure
+        if self.warmed:  # the warm-up happens once, in the session's first block
+            settings = replace(settings, warmup=0)
+        self.warmed = True
+        tracker = self._tracker()
+        with QueryLog(self.job.log_path) as log, tracker:
+            self.result = run_scenario(self.backend, self.job.workload, settings, log, progress=progress)
+        self.usage.append(tracker.result)
+        return [r.to_json() for r in self.result.records]
 
-            emit(("status", "logit fidelity"))
-            fidelity = measure(backend, job.fidelity, job.is_standard)
-        diagnosis = None
-        if job.diagnose and job.endpoint is None:
-            from variantbench.analysis.diagnosis import diagnose_backend
+    def peak(self, emit: Emit) -> list[dict[str, Any]]:
+        tracker = self._tracker()
+        with QueryLog(self.job.log_path) as log, tracker:
+            self.result, self.trials = find_peak(self.job, self.backend, log,
+                                                 lambda *a: emit(("progress", *a)), emit)  # fmt: skip
+        self.usage.append(tracker.result)
+        return [r.to_json() for r in self.result.records]
 
-            emit(("status", "diagnosis: profile and batch efficiency"))
-            try:
-                diagnosis = diagnose_backend(
-                    backend, load.param_bytes, load.details.get("parameters"), job.counters
-                )
-            except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
-                diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
-    finally:
-        backend.close()
-    res = tracker.result
-    build = job.artifact
-    return {
-        "variant": job.variant,
-        "is_standard": job.is_standard,
-        "repeat": job.repeat,
-        # the run id of the records summarized: under find-peak, the best trial's ("RID@Xqps")
-        "run_id": str(result.settings.get("run_id", job.load.run_id)),
-        "scenario": job.load.scenario,
-        "diagnosis": diagnosis,
-        "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
-        "name": backend.name,
-        "peak_search": trials,
-        "load_settings": {"rate_qps": result.target_qps},
-        "records": [r.to_json() for r in result.records],
-        "seeds": result.seeds,
-        "fidelity": fidelity,
-        "load": asdict(load),
-        # build_s itself is in resources, beside startup_s
-        "build": None
-        if build is None
-        else {"built_now": build.built_now, "build_wall_s": build.build_wall_s},
-        "resources": {
-            "startup_s": load.startup_s,
-            "param_bytes": load.param_bytes,
-            "load_peak_rss_bytes": load_peak,
-            "peak_rss_bytes": res.peak_rss_bytes,
-            "mean_rss_bytes": res.mean_rss_bytes,
-            "mean_cpu_util": res.mean_cpu_util,
-            "cpu_s": res.cpu_s,
-            "wall_s": res.wall_s,
-            "cores": res.cores,
-            "energy_j": res.energy_j,
-            "energy_source": res.energy_source,
-            "watts_per_core": res.watts_per_core,
-            "gpu": res.gpu,
-            "startup_warm_s": load.startup_s,
-            "disk_bytes": _disk_bytes(build),
-            "build_s": build.build_s if build is not None else None,
-        },
-    }
+    def batch_rate(self, size: int, new: int, emit: Emit) -> float:
+        """Decode tokens/s with ``size`` requests at once: the batching throughput the batch profile
+        ranks by (single-stream says nothing about it). One measurement; the caller repeats it."""
+        from variantbench.analysis.diagnosis import decode_rate
+
+        emit(("status", f"batch-{size} decode"))
+        rate = decode_rate(self.backend, size, new)
+        self.batch_rates.append(round(rate, 3))
+        return rate
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.backend.close()
+
+    def finish(self, emit: Emit) -> dict[str, Any]:
+        """Fidelity and diagnosis, then the backend closed; the raw payload (records not included)."""
+        job, backend, load = self.job, self.backend, self.load
+        try:
+            fidelity = None
+            if job.fidelity is not None and isinstance(backend, LogProbs):
+                from variantbench.metrics.fidelity import measure
+
+                emit(("status", "logit fidelity"))
+                fidelity = measure(backend, job.fidelity, job.is_standard)
+            diagnosis = None
+            if job.diagnose and job.endpoint is None:
+                from variantbench.analysis.diagnosis import diagnose_backend
+
+                emit(("status", "diagnosis: profile and batch efficiency"))
+                try:
+                    diagnosis = diagnose_backend(
+                        backend, load.param_bytes, load.details.get("parameters"), job.counters
+                    )
+                except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
+                    diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
+        finally:
+            self.close()
+        from variantbench.trackers.resources import merge_results
+
+        res = merge_results(self.usage)
+        result = self.result
+        assert result is not None, "finish before any block"
+        build = job.artifact
+        return {
+            "variant": job.variant,
+            "is_standard": job.is_standard,
+            "repeat": job.repeat,
+            # the run id of the records summarized: under find-peak, the best trial's ("RID@Xqps")
+            "run_id": str(result.settings.get("run_id", job.load.run_id)),
+            "scenario": job.load.scenario,
+            "diagnosis": diagnosis,
+            "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
+            "name": backend.name,
+            "peak_search": self.trials,
+            "batch_decode": {"size": BATCH_SIZE, "new_tokens": BATCH_NEW, "tokens_per_s": self.batch_rates}
+            if self.batch_rates
+            else None,
+            "load_settings": {"rate_qps": result.target_qps},
+            "seeds": result.seeds,
+            "fidelity": fidelity,
+            "load": asdict(load),
+            # build_s itself is in resources, beside startup_s
+            "build": None
+            if build is None
+            else {"built_now": build.built_now, "build_wall_s": build.build_wall_s},
+            "resources": {
+                "startup_s": load.startup_s,
+                "param_bytes": load.param_bytes,
+                "load_peak_rss_bytes": self.load_peak,
+                "peak_rss_bytes": res.peak_rss_bytes,
+                "mean_rss_bytes": res.mean_rss_bytes,
+                "mean_cpu_util": res.mean_cpu_util,
+                "cpu_s": res.cpu_s,
+                "wall_s": res.wall_s,
+                "cores": res.cores,
+                "energy_j": res.energy_j,
+                "energy_source": res.energy_source,
+                "watts_per_core": res.watts_per_core,
+                "gpu": res.gpu,
+                "startup_warm_s": load.startup_s,
+                "disk_bytes": _disk_bytes(build),
+                "build_s": build.build_s if build is not None else None,
+            },
+        }
 
 
 def _disk_bytes(artifact: Any) -> int | None:

@@ -13,7 +13,7 @@ built before it is measured, so ``startup_s`` never contains a build.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 import datetime as dt
 import json
 from pathlib import Path
@@ -28,7 +28,7 @@ from variantbench.errors import UserError
 from variantbench.extras import require
 from variantbench.paths import cache_root
 from variantbench.pipeline.assemble import assemble
-from variantbench.pipeline.executors import EXECUTORS, Executor, InlineExecutor, JobFailed
+from variantbench.pipeline.executors import EXECUTORS, Executor, InlineExecutor, JobFailed, Resident
 from variantbench.pipeline.jobs import BuildJob, ColdStartJob, Endpoint, MeasureJob
 from variantbench.pipeline.settings import criteria_for, load_settings
 from variantbench.plan import Plan
@@ -157,57 +157,167 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     header.write(out / "report.json")
     # an endpoint is measured from this process: nothing is loaded here
     executor: Executor = InlineExecutor() if endpoint else EXECUTORS[plan.execution.executor]()
-    raws: list[dict[str, Any]] = []
-    records: list[QueryRecord] = []
+    find_peak = bool(getattr(plan.load, "find_peak", False)) and plan.is_timed
+    interleave = (plan.execution.interleave and endpoint is None and len(order) > 1 and not find_peak
+                  and isinstance(executor, Resident))  # fmt: skip
+    header.execution = {
+        "interleaved": interleave,
+        "why_not": None if interleave or len(order) < 2 else
+        ("find-peak searches each variant's rate alone" if find_peak else
+         "an endpoint run has one variant" if endpoint else "execution.interleave is off"),
+    }  # fmt: skip
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)  # fmt: skip
+    ctx = _RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
+                      log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoint=endpoint,
+                      fidelity=fidelity, analyze=analyze, counters=counters, find_peak=find_peak)  # fmt: skip
     with progress:
-        for variant in order:
-            display = _Display(progress, variant)
-            started = time.perf_counter()
-            vspec = specs.get(variant)
-            artifact: Artifact | None = None
-            build_error = None
-            if vspec is not None:
-                try:
-                    artifact = _build(executor, base_dir, vspec, plan.model.build_seed, display)
-                except JobFailed as exc:
-                    build_error = f"build failed: {exc}"
-            for repeat in range(plan.analysis.repeats):
-                rid = run_id if plan.analysis.repeats == 1 else f"{run_id}#{repeat}"
-                raw_path = raw_dir / f"{_safe(variant)}.{repeat}.json"
-                job = MeasureJob(
-                    variant=variant, workload=library, log_path=str(log_path),
-                    load=load_settings(plan, rid, len(library)), spec=vspec, artifact=artifact, base_dir=base_dir,
-                    device=plan.model.device, threads=plan.model.threads, endpoint=endpoint,
-                    find_peak=bool(getattr(plan.load, "find_peak", False)) and plan.is_timed,
-                    criteria=criteria_for(plan), fidelity=fidelity if repeat == 0 else None,
-                    is_standard=variant == header.standard, watts_per_core=plan.cost.watts_per_core,
-                    diagnose=plan.analysis.diagnose and analyze and repeat == 0, counters=counters, repeat=repeat,
-                )  # fmt: skip
-                try:
-                    if build_error:
-                        raise JobFailed(build_error)
-                    payload = executor.run(job, display)
-                    records.extend(QueryRecord.from_json(r) for r in payload.pop("records"))
-                    if plan.analysis.cold_start and analyze and repeat == 0 and vspec is not None:
-                        assert artifact is not None
-                        cold = ColdStartJob(vspec, artifact, base_dir, plan.model.device, plan.model.threads)
-                        payload["resources"].update(cold.run(display))  # its own fresh process already
-                    payload["wall_s"] = round(time.perf_counter() - started, 3)
-                    display.finish("done")
-                except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
-                    payload = {"variant": variant, "repeat": repeat, "status": "failed", "error": str(exc)}
-                    display.finish("[red]failed[/red]")
-                _write_json(raw_path, payload)
-                raws.append(payload)
-            report = assemble(header, plan, raws, records, order=order)
-            report.write(out / "report.json")
-            run = report.run(variant)
-            if run is not None and run.status == "ok":
-                display.finish(f"done ({run.validity.verdict})")
-    write_outputs(report, out)  # the last variant's assembly is the whole report
+        if interleave:
+            report = _measure_interleaved(ctx, progress, console)
+        else:
+            report = _measure_one_by_one(ctx, progress)
+    write_outputs(report, out)  # the last assembly is the whole report
     return report
+
+
+@dataclass
+class _RunContext:
+    """What every way of measuring needs from the prepared run."""
+
+    plan: Plan
+    header: Report
+    order: list[str]
+    specs: dict[str, VariantSpec]
+    base_dir: str
+    library: Workload
+    log_path: Path
+    raw_dir: Path
+    run_id: str
+    executor: Executor
+    endpoint: Endpoint | None
+    fidelity: Any
+    analyze: bool
+    counters: str
+    find_peak: bool
+    raws: list[dict[str, Any]] = field(default_factory=list)
+    records: list[QueryRecord] = field(default_factory=list)
+
+    def job(self, variant: str, repeat: int, artifact: Artifact | None) -> MeasureJob:
+        plan = self.plan
+        rid = self.run_id if plan.analysis.repeats == 1 else f"{self.run_id}#{repeat}"
+        return MeasureJob(
+            variant=variant, workload=self.library, log_path=str(self.log_path),
+            load=load_settings(plan, rid, len(self.library)), spec=self.specs.get(variant), artifact=artifact,
+            base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoint,
+            find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
+            is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
+            diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
+            batch_rounds=plan.analysis.batch_rounds if self.analyze and self.endpoint is None else 0,
+        )  # fmt: skip
+
+    def cold_start(
+        self, variant: str, artifact: Artifact | None, payload: dict[str, Any], display: Any
+    ) -> None:
+        vspec = self.specs.get(variant)
+        if self.plan.analysis.cold_start and self.analyze and vspec is not None and artifact is not None:
+            cold = ColdStartJob(
+                vspec, artifact, self.base_dir, self.plan.model.device, self.plan.model.threads
+            )
+            payload["resources"].update(cold.run(display))  # its own fresh process already
+
+    def keep(self, variant: str, repeat: int, payload: dict[str, Any]) -> None:
+        """One variant-repeat's raw result written and kept (a failure too: it is data)."""
+        payload.setdefault("variant", variant)
+        payload.setdefault("repeat", repeat)
+        _write_json(self.raw_dir / f"{_safe(variant)}.{repeat}.json", payload)
+        self.raws.append(payload)
+
+    def assemble(self) -> Report:
+        report = assemble(self.header, self.plan, self.raws, self.records, order=self.order)
+        report.write(self.plan.out / "report.json")
+        return report
+
+
+def _failed(variant: str, repeat: int, error: str) -> dict[str, Any]:
+    return {"variant": variant, "repeat": repeat, "status": "failed", "error": error}
+
+
+def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
+    """Variant after variant, each in one block (``--no-interleave``, find-peak, an endpoint)."""
+    report = ctx.header
+    for variant in ctx.order:
+        display = _Display(progress, variant)
+        started = time.perf_counter()
+        artifact, build_error = _build_or_error(ctx, variant, display)
+        for repeat in range(ctx.plan.analysis.repeats):
+            try:
+                if build_error:
+                    raise JobFailed(build_error)
+                payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
+                ctx.records.extend(QueryRecord.from_json(r) for r in payload.pop("records"))
+                if repeat == 0:
+                    ctx.cold_start(variant, artifact, payload, display)
+                payload["wall_s"] = round(time.perf_counter() - started, 3)
+                display.finish("done")
+            except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
+                payload = _failed(variant, repeat, str(exc))
+                display.finish("[red]failed[/red]")
+            ctx.keep(variant, repeat, payload)
+        report = ctx.assemble()
+        run = report.run(variant)
+        if run is not None and run.status == "ok":
+            display.finish(f"done ({run.validity.verdict})")
+    return report
+
+
+def _measure_interleaved(ctx: _RunContext, progress: Progress, console: Console) -> Report:
+    """Every variant built, then loaded at once and measured in turns (``pipeline/interleave.py``)."""
+    from variantbench.pipeline.interleave import run_interleaved
+
+    displays = {v: _Display(progress, v) for v in ctx.order}
+    built: dict[str, Artifact | None] = {}
+    errors: dict[str, str] = {}
+    for variant in ctx.order:
+        built[variant], error = _build_or_error(ctx, variant, displays[variant])
+        if error:
+            errors[variant] = error
+    report = ctx.header
+    executor = ctx.executor
+    assert isinstance(executor, Resident)
+    for repeat in range(ctx.plan.analysis.repeats):
+        jobs = {v: ctx.job(v, repeat, built[v]) for v in ctx.order if v not in errors}
+        started = time.perf_counter()
+        outcome = run_interleaved(executor, jobs, ctx.plan, on_event=lambda v: displays[v],
+                                  say=lambda m: console.print(f"[dim]{m}[/dim]"))  # fmt: skip
+        wall = round(time.perf_counter() - started, 3)
+        for variant in ctx.order:
+            ctx.records.extend(outcome.records.get(variant, []))
+            error = errors.get(variant) or outcome.failures.get(variant)
+            if error:
+                payload = _failed(variant, repeat, error)
+                displays[variant].finish("[red]failed[/red]")
+            else:
+                payload = outcome.payloads[variant]
+                if repeat == 0:
+                    ctx.cold_start(variant, built[variant], payload, displays[variant])
+                payload["wall_s"] = wall
+                displays[variant].finish("done")
+            ctx.keep(variant, repeat, payload)
+        ctx.header.execution.setdefault("repeats", []).append(
+            {"repeat": repeat, "rounds": outcome.rounds, "looks": outcome.looks, "stopped": outcome.stopped}
+        )
+        report = ctx.assemble()
+    return report
+
+
+def _build_or_error(ctx: _RunContext, variant: str, display: _Display) -> tuple[Artifact | None, str | None]:
+    vspec = ctx.specs.get(variant)
+    if vspec is None:
+        return None, None
+    try:
+        return _build(ctx.executor, ctx.base_dir, vspec, ctx.plan.model.build_seed, display), None
+    except JobFailed as exc:
+        return None, f"build failed: {exc}"
 
 
 def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, display: _Display) -> Artifact:

@@ -127,6 +127,63 @@ def _ab(report: Report) -> list[str]:
     ]
 
 
+def _execution(report: Report) -> list[str]:
+    """How the variants shared the machine, and why the run stopped when it did."""
+    e = report.execution
+    if not e:
+        return []
+    if e.get("interleaved"):
+        lines = ["Interleaved: every variant loaded at once, each in its own process, measured in turns "
+                 "(single-stream: one query each per round, the order rotated; other scenarios: short "
+                 "blocks in a seeded random order), so a drift of the machine lands on all alike."]  # fmt: skip
+        for rep in e.get("repeats", []):
+            looks = rep.get("looks") or []
+            last = looks[-1] if looks else {}
+            lines.append(
+                f"Repeat {rep['repeat']}: {rep['rounds']} rounds, {len(looks)} look(s) at "
+                f"{_f(last.get('confidence', 0) * 100, '.2f')}% confidence each; stopped: {rep.get('stopped')}."
+            )
+    else:
+        lines = ["Not interleaved: one variant after the other"
+                 + (f" ({e['why_not']})" if e.get("why_not") else "") + "."]  # fmt: skip
+    return ["## How it was measured", "", *lines, ""]
+
+
+def _decisions(report: Report) -> list[str]:
+    """Every pairwise comparison: decided (faster, slower, tied) or not, and what would decide it."""
+    if not report.comparisons:
+        return []
+    band = (report.plan.get("analysis") or {}).get("tie_band", 3.0)
+    rows = []
+    for c in report.comparisons:
+        ci = (f"{c['ratio']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
+              if c.get("ratio") is not None and c.get("ci_low") is not None else "-")  # fmt: skip
+        more = c.get("more_samples")
+        rows.append([f"{c['a']} vs {c['b']}", c["metric"], ci, f"{c['confidence']:.1%}", str(c["pairs"]),
+                     f"**{c['state']}**", (f"about {more} samples" if more else "-")
+                     if c["state"] == "undecided" else "-"])  # fmt: skip
+    undecided = [
+        f"{c['a']} vs {c['b']} ({c['metric']})" for c in report.comparisons if c["state"] == "undecided"
+    ]
+    return [
+        "## Decisions",
+        "",
+        f"Each pair on paired throughput (output tokens over latency, summed over the samples both answered; BCa "
+        f"interval) and on batch-8 decode throughput (rounds in turns; t-interval on log-ratios). Tie band "
+        f"+-{band:g}%: **faster**/**slower** = the interval lies wholly outside it, **tied** = wholly inside, "
+        "**undecided** = it straddles an edge (the estimate of samples needed assumes the spread seen so far).",
+        "",
+        *_table(["pair", "metric", "ratio a/b", "confidence", "samples", "state", "would decide"], rows),
+        "",
+        *(
+            [f"Undecided: {', '.join(undecided)}. The recommendations treat these as ties."]
+            if undecided
+            else []
+        ),
+        "",
+    ]
+
+
 def _diagnosis(report: Report) -> list[str]:
     runs = [r for r in report.runs if r.diagnosis is not None]
     if not runs:
@@ -211,9 +268,10 @@ def _cost(report: Report) -> list[str]:
         rows.append([r.variant, _f(x.get("quality"), ".3f"), _f(x.get("throughput_tokens_per_s"), ".2f"),
                      _f(x.get("energy_per_token_j"), ".3f"), _f(x.get("duration_s"), ".1f"),
                      _f(x.get("span_energy_j"), ",.0f"), _f(r.cost.tokens_per_joule, ".3f"),
-                     _f(r.cost.per_million_output_tokens, ".4g"), _f(r.cost.efficiency, ".4g")])  # fmt: skip
+                     _with_ci(r.cost.per_million_output_tokens, r.cost.per_million_output_tokens_ci),
+                     _with_ci(r.cost.efficiency, r.cost.efficiency_ci)])  # fmt: skip
     lines += _table(["variant", "quality", "output tok/s", "J / token", "span s", "energy J", "tokens / J",
-                     "cost / 1M tokens", "efficiency"], rows)  # fmt: skip
+                     "cost / 1M tokens [95% CI]", "efficiency [95% CI]"], rows)  # fmt: skip
     sources = {r.resources.energy_source for r in report.runs if r.resources.energy_source}
     if any("estimate" in s for s in sources):
         watts = next((r.resources.watts_per_core for r in report.runs if r.resources.watts_per_core), None)
@@ -222,6 +280,10 @@ def _cost(report: Report) -> list[str]:
             f"Energy is an **estimate** (no readable RAPL counter): CPU seconds x {watts} W per busy core.",
         ]
     return lines + [""]
+
+
+def _with_ci(value: float | None, ci: list[float] | None) -> str:
+    return _f(value, ".4g") + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci and value is not None else "")
 
 
 def _environment(report: Report) -> list[str]:
@@ -250,6 +312,8 @@ def render(report: Report) -> str:
         *_comparison(report),
         "",
         *_ab(report),
+        *_execution(report),
+        *_decisions(report),
         *_diagnosis(report),
         *_recommendations(report),
         *_cost(report),

@@ -149,6 +149,9 @@ class Cost(_Model):
     efficiency: float | None = None
     efficiency_units: str = ""
     inputs: dict[str, Any] = Field(default_factory=dict)
+    # 95% intervals carried over from the throughput's (cost ~ 1/throughput, efficiency ~ throughput^2)
+    per_million_output_tokens_ci: list[float] | None = None
+    efficiency_ci: list[float] | None = None
 
 
 class Diagnosis(_Model):
@@ -252,6 +255,8 @@ class RunReport(_Model):
     ab_vs_standard: AB | None = None
     diagnosis: Diagnosis | None = None
     repeats: list[dict[str, Any]] = Field(default_factory=list)  # --repeats: each run's key numbers
+    # decode tokens/s at batch 8, measured several times (interleaved): mean, 95% t-interval, values
+    batch_throughput: dict[str, Any] | None = None
     queries: Queries = Field(default_factory=Queries)
     input_tokens: Tail = Field(default_factory=Tail)
     output_tokens: Tail = Field(default_factory=Tail)
@@ -269,6 +274,10 @@ class Report(_Model):
     runs: list[RunReport] = Field(default_factory=list)
     ceilings: dict[str, Any] = Field(default_factory=dict)  # measured matmul GFLOP/s and memory GB/s
     recommendations: dict[str, Any] = Field(default_factory=dict)  # profile -> {variant, reasons, ...}
+    # how the variants were run: interleaved or not (and why not), rounds, looks, why it stopped
+    execution: dict[str, Any] = Field(default_factory=dict)
+    # every pair of variants on paired throughput: faster, slower, tied or undecided, with intervals
+    comparisons: list[dict[str, Any]] = Field(default_factory=list)
 
     def run(self, variant: str) -> RunReport | None:
         return next((r for r in self.runs if r.variant == variant), None)

@@ -10,7 +10,7 @@ from variantbench.loadgen.scenarios import SCENARIOS
 from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import Scored, agreement, summarize_quality
-from variantbench.metrics.windows import stable, three_sigma, windows
+from variantbench.metrics.windows import active_s, stable, three_sigma, windows
 from variantbench.records import QueryRecord
 from variantbench.report.schema import (
     LagDist,
@@ -52,6 +52,13 @@ def _tail(values: Sequence[float]) -> Tail:
     return Tail(p50=percentile(values, 50), p99=percentile(values, 99))
 
 
+def _by_block(records: Sequence[QueryRecord]) -> list[list[QueryRecord]]:
+    blocks: dict[int, list[QueryRecord]] = {}
+    for r in records:
+        blocks.setdefault(r.block, []).append(r)
+    return list(blocks.values())
+
+
 def _queries(records: Sequence[QueryRecord]) -> list[list[QueryRecord]]:
     """Samples grouped by the query they belong to (multi-stream); one sample per query otherwise."""
     ordered = sorted(records, key=lambda r: (r.query if r.query >= 0 else r.index, r.index))
@@ -82,17 +89,18 @@ def summarize_run(
     throughput = Throughput()
     achieved_qps = None
     if records:
-        start = min(r.scheduled_ns for r in records)
-        duration_s = (max(r.completed_ns for r in records) - start) / 1e9
+        duration_s = active_s(records)  # interleaved: the variant's own blocks, not the others'
         if duration_s > 0:
             throughput = Throughput(
                 qps=len(groups) / duration_s,
                 output_tokens_per_s=sum(r.output_tokens for r in ok) / duration_s,
             )
-        n_queries = len(_queries(records))
-        issue_span_s = (max(r.issued_ns for r in records) - start) / 1e9
-        if scheduled and issue_span_s > 0 and n_queries > 1:
-            achieved_qps = (n_queries - 1) / issue_span_s  # n arrivals span n-1 gaps
+        gaps, issue_span_s = 0, 0.0
+        for block in _by_block(records):  # n arrivals span n-1 gaps, block by block
+            gaps += len(_queries(block)) - 1
+            issue_span_s += (max(r.issued_ns for r in block) - min(r.scheduled_ns for r in block)) / 1e9
+        if scheduled and issue_span_s > 0 and gaps > 0:
+            achieved_qps = gaps / issue_span_s
     prefill_s = sum(ttfts) / 1e3
     decode_tokens = sum(max(0, len(r.token_ms) - 1) for r in ok)
     decode_s = sum((r.token_ms[-1] - r.token_ms[0]) / 1e3 for r in ok if len(r.token_ms) > 1)

@@ -255,6 +255,37 @@ class ResourceTracker:
         r.energy_source = "+".join(sources)
 
 
+def merge_results(parts: list[ResourceResult]) -> ResourceResult:
+    """One result for several tracked spans (an interleaved variant's blocks): sums of time, CPU and
+    energy, the highest peak, means weighted by each span's wall time, every sample kept."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return ResourceResult()
+    out = ResourceResult()
+    out.wall_s = sum(p.wall_s for p in parts)
+    out.cpu_s = sum(p.cpu_s for p in parts)
+    out.cores = parts[0].cores
+    out.peak_rss_bytes = max(p.peak_rss_bytes for p in parts)
+    out.mean_rss_bytes = sum(p.mean_rss_bytes * p.wall_s for p in parts) / out.wall_s if out.wall_s else 0.0
+    out.mean_cpu_util = out.cpu_s / (out.wall_s * out.cores) if out.wall_s > 0 else None
+    energies = [p.energy_j for p in parts]
+    out.energy_j = None if any(e is None for e in energies) else sum(e or 0.0 for e in energies)
+    out.energy_source, out.watts_per_core = parts[0].energy_source, parts[0].watts_per_core
+    gpus = [p.gpu for p in parts if p.gpu]
+    if gpus:
+        utils = [
+            (g["util"], p.wall_s) for p, g in zip(parts, gpus, strict=False) if g.get("util") is not None
+        ]
+        out.gpu = {
+            "util": sum(u * w for u, w in utils) / sum(w for _, w in utils) if utils else None,
+            "mem_bytes": max(g.get("mem_bytes") or 0 for g in gpus),
+            "energy_j": sum(g.get("energy_j") or 0.0 for g in gpus),
+        }
+    out.samples = [x for p in parts for x in p.samples]
+    return out
+
+
 def window_resources(
     samples: list[ResourceSample], spans: list[tuple[int, int]], cores: int
 ) -> list[dict[str, float | None]]:
