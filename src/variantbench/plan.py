@@ -63,7 +63,7 @@ class WorkloadPlan(_Section):
     mix: str | None = Field(
         None, description="synthetic task mix, e.g. qa=0.4,summarization=0.3,generation=0.3"
     )
-    input_lengths: str = Field("uniform:128-2048", description="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N")  # fmt: skip
+    input_lengths: str = Field("uniform:128-1024", description="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N")  # fmt: skip
     max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' output token caps")
 
     @field_validator("mix")
@@ -196,7 +196,8 @@ class AnalysisPlan(_Section):
     )
     cold_start: bool = Field(True, description="time a fresh process to its first token, model files out of the page cache")  # fmt: skip
     batch_rounds: int = Field(4, ge=0, le=20, description="batch-8 decode measurements per variant, for the batch profile (0: none)")  # fmt: skip
-    until_decided: bool = Field(False, description="keep measuring in rounds until every comparison the recommendation ranks by is decided, or the looks run out")  # fmt: skip
+    until_decided: bool = Field(True, description="keep measuring in rounds until every comparison the recommendation ranks by is decided, or the looks run out")  # fmt: skip
+    decide_within_s: float | None = Field(150.0, gt=0, description="until_decided: no further pass once the rounds have run this long (s, all variants)")  # fmt: skip
     tie_band: float = Field(
         3.0, ge=0, lt=50, description="%: two variants within this of each other are tied"
     )

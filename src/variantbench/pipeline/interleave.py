@@ -132,6 +132,7 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
     per_pass, size = pass_size(load), block_size(load, plan.execution.block_s)
     cap = load.max_queries
     deadline = (time.monotonic() + load.max_duration_s * len(sessions)) if load.max_duration_s else None
+    began = time.monotonic()
     done, look, next_look = 0, 0, per_pass  # queries per variant so far; when the next look is due
     while sessions:
         n = min(size, cap - done) if cap else size
@@ -172,6 +173,9 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
                 break
             if look >= looks:
                 out.stopped = f"looks: all {looks} taken"
+                break
+            if a.decide_within_s is not None and time.monotonic() - began >= a.decide_within_s:
+                out.stopped = f"budget: analysis.decide_within_s ({a.decide_within_s:g} s) after look {look}"
                 break
         if deadline is not None and time.monotonic() >= deadline:
             out.stopped = "budget: max_duration_s"
