@@ -202,7 +202,7 @@ class AnalysisPlan(_Section):
         3.0, ge=0, lt=50, description="%: two variants within this of each other are tied"
     )
     looks: PositiveInt = Field(
-        4, le=20, description="most looks at the data under until_decided (each at alpha/looks)"
+        3, le=20, description="most looks at the data under until_decided (each at alpha/looks)"
     )
     alpha: float = Field(
         0.05, gt=0, lt=0.5, description="error rate of the whole comparison (Bonferroni-split over looks)"

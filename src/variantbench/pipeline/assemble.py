@@ -109,6 +109,8 @@ def summarize_payload(
     )
     if payload.get("build"):
         run.backend["build"] = payload["build"]
+    if payload.get("phases_s"):
+        run.backend["phases_s"] = payload["phases_s"]
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])

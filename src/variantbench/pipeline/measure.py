@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from pathlib import Path
 import resource
+import time
 from typing import TYPE_CHECKING, Any
 
 from variantbench.backends.base import LogProbs, ReportsStatus
@@ -69,6 +70,8 @@ class VariantSession:
         self.warmed = False
         self.closed = False
         self.batch_rates: list[float] = []
+        # where the variant's time went (s): what a user reads when a run takes longer than expected
+        self.phases: dict[str, float] = {"load": round(self.load.startup_s, 3), "scenario": 0.0, "batch": 0.0}
 
     def _tracker(self) -> Any:
         from variantbench.trackers.resources import ResourceTracker
@@ -90,6 +93,7 @@ class VariantSession:
         with QueryLog(self.job.log_path) as log, tracker:
             self.result = run_scenario(self.backend, self.job.workload, settings, log, progress=progress)
         self.usage.append(tracker.result)
+        self.phases["scenario"] += tracker.result.wall_s
         return [r.to_json() for r in self.result.records]
 
     def peak(self, emit: Emit) -> list[dict[str, Any]]:
@@ -106,7 +110,9 @@ class VariantSession:
         from variantbench.analysis.diagnosis import decode_rate
 
         emit(("status", f"batch-{size} decode"))
+        start = time.perf_counter()
         rate = decode_rate(self.backend, size, new)
+        self.phases["batch"] += time.perf_counter() - start
         self.batch_rates.append(round(rate, 3))
         return rate
 
@@ -124,18 +130,22 @@ class VariantSession:
                 from variantbench.metrics.fidelity import measure
 
                 emit(("status", "logit fidelity"))
+                start = time.perf_counter()
                 fidelity = measure(backend, job.fidelity, job.is_standard)
+                self.phases["fidelity"] = time.perf_counter() - start
             diagnosis = None
             if job.diagnose and job.endpoint is None:
                 from variantbench.analysis.diagnosis import diagnose_backend
 
                 emit(("status", "diagnosis: profile and batch efficiency"))
+                start = time.perf_counter()
                 try:
                     diagnosis = diagnose_backend(
                         backend, load.param_bytes, load.details.get("parameters"), job.counters
                     )
                 except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
                     diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
+                self.phases["diagnosis"] = time.perf_counter() - start
         finally:
             self.close()
         from variantbench.trackers.resources import merge_results
@@ -154,6 +164,7 @@ class VariantSession:
             "diagnosis": diagnosis,
             "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
             "name": backend.name,
+            "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
             "peak_search": self.trials,
             "batch_decode": {"size": BATCH_SIZE, "new_tokens": BATCH_NEW, "tokens_per_s": self.batch_rates}
             if self.batch_rates

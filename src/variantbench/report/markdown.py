@@ -41,6 +41,12 @@ def summary_lines(report: Report) -> list[str]:
     if diag:
         lines += ["", "Where a variant is slower than the standard:", ""]
         lines += [f"- {d}" for d in diag]
+    undecided = [c for c in report.comparisons if c["state"] == "undecided"]
+    if undecided:
+        lines += ["", "Comparisons the measurements could not decide (treated as ties above):", ""]
+        lines += [f"- {c['a']} vs {c['b']} on {c['metric']}: {c['ratio']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]"
+                  + (f"; about {c['more_samples']} samples would likely decide it" if c.get("more_samples") else "")
+                  for c in undecided if c.get("ratio") is not None and c.get("ci_low") is not None]  # fmt: skip
     failed = [r for r in report.runs if r.status != "ok"]
     if failed:
         lines += ["", "Variants that did not run:", ""] + [f"- {r.variant}: {r.error}" for r in failed]
