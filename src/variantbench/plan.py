@@ -197,7 +197,7 @@ class AnalysisPlan(_Section):
     cold_start: bool = Field(True, description="time a fresh process to its first token, model files out of the page cache")  # fmt: skip
     batch_rounds: int = Field(4, ge=0, le=20, description="batch-8 decode measurements per variant, for the batch profile (0: none)")  # fmt: skip
     until_decided: bool = Field(True, description="keep measuring in rounds until every comparison the recommendation ranks by is decided, or the looks run out")  # fmt: skip
-    decide_within_s: float | None = Field(150.0, gt=0, description="until_decided: no further pass once the rounds have run this long (s, all variants)")  # fmt: skip
+    decide_within_s: float | None = Field(90.0, gt=0, description="until_decided: no further pass once the rounds have run this long (s, all variants)")  # fmt: skip
     tie_band: float = Field(
         3.0, ge=0, lt=50, description="%: two variants within this of each other are tied"
     )

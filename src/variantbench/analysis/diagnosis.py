@@ -202,18 +202,27 @@ def perf_cache_misses(pid: int, work: Any) -> str:
 
 
 def diagnose_backend(backend: Any, param_bytes: int, parameters: int | None, counters: str,
-                     sizes: tuple[int, ...] = (1, 8, 32), new: int = 16) -> dict[str, Any]:  # fmt: skip
-    """Batch efficiency for any backend, plus the operator profile where the engine is ours."""
+                     sizes: tuple[int, ...] = (1, 8, 32), new: int = 16,
+                     known: dict[int, float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Batch efficiency for any backend, plus the operator profile where the engine is ours.
+
+    ``known``: batch sizes already measured in this session (the batch rounds' median), not
+    measured again. Larger batches decode fewer tokens (at least 4, about 256 in all): on the AVX2
+    host bf16 at batch 32 took 31 s for 16 tokens each, a run's largest single cost.
+    """
     out: dict[str, Any] = {"batch_tokens_per_s": {}}
     holder: dict[str, float] = {}
     for size in sizes:
-        if size == 1 and counters == "available":
+        tokens = max(4, min(new, 256 // size))
+        if known and size in known:
+            rate = known[size]
+        elif size == 1 and counters == "available":
             out["cache_misses"] = perf_cache_misses(
-                os.getpid(), lambda: holder.__setitem__("b1", decode_rate(backend, 1, new))
+                os.getpid(), lambda n=tokens: holder.__setitem__("b1", decode_rate(backend, 1, n))
             )
             rate = holder["b1"]
         else:
-            rate = decode_rate(backend, size, new)
+            rate = decode_rate(backend, size, tokens)
         out["batch_tokens_per_s"][str(size)] = round(rate, 2)
     out.setdefault("cache_misses", counters)
     b1 = out["batch_tokens_per_s"].get("1")

@@ -174,8 +174,11 @@ def run_scenario(
     # A process that has loaded torch and transformers holds millions of objects: a full garbage
     # collection walks them all and stalls every thread for tens of milliseconds, which shows up
     # as dispatch lag. Freeze what exists now, so collections during the run see only new objects.
-    gc.collect()
-    gc.freeze()
+    # An interleaved block keeps what the session's first block froze: walking millions of objects
+    # again before every one-query block cost about 0.2 s a block with torch loaded.
+    if not (s.block >= 0 and gc.get_freeze_count()):
+        gc.collect()
+        gc.freeze()
     try:
         # warm-up: one at a time, never counted or logged
         for i in range(s.warmup):
@@ -245,7 +248,8 @@ def run_scenario(
         ended = time.perf_counter_ns()
     finally:
         sys.setswitchinterval(switch_interval)
-        gc.unfreeze()
+        if s.block < 0:
+            gc.unfreeze()
         sut.close()
     records.sort(key=lambda r: r.index)
     return RunLog(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from pathlib import Path
 import resource
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
     from variantbench.pipeline.jobs import Emit, MeasureJob
 
 
-# The batching throughput: decode at batch 8, 32 new tokens, measured BATCH_ROUNDS times per variant
-# (interleaved with the other variants' when the run is): on the 2-core AVX2 host, one such
-# measurement of the default model takes 1-3 s, and four give a t-interval for the batch profile.
+# The batching throughput: decode at batch 8, 16 new tokens, measured ``analysis.batch_rounds`` times
+# per variant (in turns with the other variants when the run is interleaved). On the 2-core AVX2
+# host one such measurement of the default model takes 0.6 s (int8) to 4 s (bf16, no bf16
+# instructions), and four give a t-interval for the batch profile.
 BATCH_SIZE = 8
-BATCH_NEW = 32
+BATCH_NEW = 16
 
 
 def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
@@ -141,7 +143,11 @@ class VariantSession:
                 start = time.perf_counter()
                 try:
                     diagnosis = diagnose_backend(
-                        backend, load.param_bytes, load.details.get("parameters"), job.counters
+                        backend,
+                        load.param_bytes,
+                        load.details.get("parameters"),
+                        job.counters,
+                        known={BATCH_SIZE: statistics.median(self.batch_rates)} if self.batch_rates else None,
                     )
                 except Exception as exc:  # noqa: BLE001 - a failed diagnosis must not lose the run
                     diagnosis = {"summary": f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0]}
