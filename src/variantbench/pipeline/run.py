@@ -223,7 +223,9 @@ class _RunContext:
             cold = ColdStartJob(
                 vspec, artifact, self.base_dir, self.plan.model.device, self.plan.model.threads
             )
+            start = time.perf_counter()
             payload["resources"].update(cold.run(display))  # its own fresh process already
+            payload.setdefault("phases_s", {})["cold_start"] = round(time.perf_counter() - start, 3)
 
     def keep(self, variant: str, repeat: int, payload: dict[str, Any]) -> None:
         """One variant-repeat's raw result written and kept (a failure too: it is data)."""
