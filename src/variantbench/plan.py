@@ -92,7 +92,7 @@ class WorkloadPlan(_Section):
 
 
 class _Scenario(_Section):
-    tasks: PositiveInt = Field(10, description="measured queries per variant: the synthetic workload's size, one pass over it")  # fmt: skip
+    tasks: PositiveInt = Field(8, description="measured queries per variant: the synthetic workload's size, one pass over it")  # fmt: skip
 
 
 class SingleStream(_Scenario):
@@ -195,7 +195,7 @@ class AnalysisPlan(_Section):
         True, description="profile each variant (operator families, batch 1/8/32, ceilings)"
     )
     cold_start: bool = Field(True, description="time a fresh process to its first token, model files out of the page cache")  # fmt: skip
-    batch_rounds: int = Field(4, ge=0, le=20, description="batch-8 decode measurements per variant, for the batch profile (0: none)")  # fmt: skip
+    batch_rounds: int = Field(3, ge=0, le=20, description="batch-8 decode measurements per variant, for the batch profile (0: none)")  # fmt: skip
     until_decided: bool = Field(True, description="keep measuring in rounds until every comparison the recommendation ranks by is decided, or the looks run out")  # fmt: skip
     decide_within_s: float | None = Field(90.0, gt=0, description="until_decided: no further pass once the rounds have run this long (s, all variants)")  # fmt: skip
     tie_band: float = Field(

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # The batching throughput: decode at batch 8, 16 new tokens, measured ``analysis.batch_rounds`` times
 # per variant (in turns with the other variants when the run is interleaved). On the 2-core AVX2
 # host one such measurement of the default model takes 0.6 s (int8) to 4 s (bf16, no bf16
-# instructions), and four give a t-interval for the batch profile.
+# instructions), and three (the default) give a t-interval for the batch profile.
 BATCH_SIZE = 8
 BATCH_NEW = 16
 
