@@ -138,9 +138,8 @@ def gguf_to_hf(gguf: Path, say: Status, cache: Path) -> Path:
 
     hf_logging.disable_progress_bar()
     folder, name = str(gguf.parent), gguf.name
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
     import gguf as gguf_py
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     # transformers' GGUF reader draws a raw tqdm bar (tqdm reads TQDM_DISABLE only when imported):
     # silence that one bar for this call; we already said what we are doing. It also parses the file

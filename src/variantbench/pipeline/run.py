@@ -6,8 +6,11 @@ job's raw result goes to ``raw/VARIANT.REPEAT.json`` and its queries are already
 ``queries.jsonl`` (appended as they complete), and the report is assembled again from them after
 every variant, so a run that fails halfway keeps all that was measured.
 
-Order: variant by variant, the standard first (the others are compared with its answers), each
-built before it is measured, so ``startup_s`` never contains a build.
+Order: every variant is built before any is measured, so ``startup_s`` never contains a build.
+Then, by default, the variants are measured interleaved (``pipeline/interleave.py``: all loaded at
+once, each in its own process, in turns), so a drift of the machine lands on all of them; one
+after the other, the standard first, under ``--no-interleave``, under find-peak (each variant's
+rate searched alone) and for an endpoint. The report says which (``report.execution``).
 """
 
 from __future__ import annotations
