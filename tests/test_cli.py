@@ -78,7 +78,7 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     proc = _cli(
         "run", "--model", str(tiny_model_dir), "--variants", "int8,fp32,bf16",
         "--tasks", "4", "--warmup", "1", "--max-new-tokens", "6", "--input-lengths", "uniform:64-256",
-        "--mix", "qa=1,classification=1", "--out", str(out),
+        "--mix", "qa=1,classification=1", "--out", str(out), "--no-until-decided",  # one pass: 4 queries
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
@@ -176,7 +176,7 @@ def test_repeats_give_an_interval_across_runs(tmp_path: Path, tiny_model_dir: Pa
     proc = _cli(
         "run", "--model", str(tiny_model_dir), "--variants", "fp32,bf16", "--repeats", "3", "--tasks", "3",
         "--max-new-tokens", "4", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
-        "--no-cold-start", "--no-isolate", "--profile", "latency", "--out", str(out),
+        "--no-cold-start", "--no-isolate", "--profile", "latency", "--out", str(out), "--no-until-decided",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "chosen profile -> " in proc.stdout

@@ -85,8 +85,8 @@ def test_every_round_is_a_permutation_rotated_or_shuffled() -> None:
 class _Slowed:
     """A real backend whose every call takes ``factor`` times as long (the planted slowdown)."""
 
-    def __init__(self, inner: Any, factor: float) -> None:
-        self.inner, self.factor = inner, factor
+    def __init__(self, inner: Any, factor: float, name: str) -> None:
+        self.inner, self.factor, self.name = inner, factor, name
 
     def generate(self, requests: list) -> list:
         start = time.perf_counter()
@@ -108,7 +108,7 @@ def _run_plan(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPa
 
     def planted(spec: VariantSpec, *args: Any, **kwargs: Any) -> Any:
         if spec.name == "bf16":  # runs as fp32, slowed by a quarter: the same answers, 0.8x the speed
-            return _Slowed(real(VariantSpec.parse("fp32"), *args, **kwargs), 1.25)
+            return _Slowed(real(VariantSpec.parse("fp32"), *args, **kwargs), 1.25, "bf16")
         return real(spec, *args, **kwargs)
 
     monkeypatch.setattr(registry, "make_backend", planted)

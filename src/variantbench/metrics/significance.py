@@ -116,13 +116,18 @@ def _bootstrap(
     return None, None
 
 
+def _log_ratios(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    """log(a_i / b_i) over the pairs where both are positive."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    keep = (x > 0) & (y > 0)
+    return np.log(x[keep] / y[keep])
+
+
 def paired_ratio(
     a: Sequence[float], b: Sequence[float], seed: int = 0, resamples: int = RESAMPLES
 ) -> dict[str, float | None]:
     """Geometric mean of a_i / b_i with a 95% BCa interval; None below 3 positive pairs."""
-    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    keep = (x > 0) & (y > 0)
-    logs = np.log(x[keep] / y[keep])
+    logs = _log_ratios(a, b)
     if len(logs) < 3:
         return no_ratio()
     value = float(np.exp(logs.mean()))
@@ -169,9 +174,7 @@ def paired_rate_ratio(tokens_a: Sequence[float], time_a: Sequence[float], tokens
 
 def wilcoxon(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Two-sided Wilcoxon signed-rank p-value on paired log-ratios, or None below 3 pairs or with no differences."""
-    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    keep = (x > 0) & (y > 0)
-    d = np.log(x[keep] / y[keep])
+    d = _log_ratios(a, b)
     if len(d) < 3 or np.all(d == 0):
         return None
     from scipy.stats import wilcoxon as signed_rank
@@ -258,9 +261,7 @@ def log_ratio_interval(
     a: Sequence[float], b: Sequence[float], confidence: float = 1 - ALPHA
 ) -> dict[str, float | None]:
     """Geometric mean of a_i / b_i over repeated paired measurements, t-interval on the logs (scipy)."""
-    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    keep = (x > 0) & (y > 0)
-    logs = np.log(x[keep] / y[keep])
+    logs = _log_ratios(a, b)
     if len(logs) < 2:
         return no_ratio()
     from scipy.stats import t

@@ -274,8 +274,12 @@ def _cost(report: Report) -> list[str]:
         rows.append([r.variant, _f(x.get("quality"), ".3f"), _f(x.get("throughput_tokens_per_s"), ".2f"),
                      _f(x.get("energy_per_token_j"), ".3f"), _f(x.get("duration_s"), ".1f"),
                      _f(x.get("span_energy_j"), ",.0f"), _f(r.cost.tokens_per_joule, ".3f"),
-                     _with_ci(r.cost.per_million_output_tokens, r.cost.per_million_output_tokens_ci),
-                     _with_ci(r.cost.efficiency, r.cost.efficiency_ci)])  # fmt: skip
+                     _with_ci(r.cost.per_million_output_tokens, r.cost.per_million_output_tokens_ci)
+                     + _said(placeholder=x.get("prices") == "placeholder",
+                             estimated="estimate" in (r.resources.energy_source or "")),
+                     _with_ci(r.cost.efficiency, r.cost.efficiency_ci)
+                     + _said(placeholder=x.get("prices") == "placeholder",
+                             estimated="estimate" in (r.resources.energy_source or ""))])  # fmt: skip
     lines += _table(["variant", "quality", "output tok/s", "J / token", "span s", "energy J", "tokens / J",
                      "cost / 1M tokens [95% CI]", "efficiency [95% CI]"], rows)  # fmt: skip
     sources = {r.resources.energy_source for r in report.runs if r.resources.energy_source}
@@ -286,6 +290,12 @@ def _cost(report: Report) -> list[str]:
             f"Energy is an **estimate** (no readable RAPL counter): CPU seconds x {watts} W per busy core.",
         ]
     return lines + [""]
+
+
+def _said(placeholder: bool = False, estimated: bool = False) -> str:
+    """What a cost figure stands on, in its own cell: placeholder prices, estimated energy."""
+    notes = [w for w, on in (("placeholder prices", placeholder), ("estimated energy", estimated)) if on]
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def _with_ci(value: float | None, ci: list[float] | None) -> str:
