@@ -39,7 +39,7 @@ class Comparison:
     confidence: float
     pairs: int
     state: str  # one of STATES, a relative to b
-    more_samples: int | None = None  # undecided: pairs likely needed to decide, from the observed spread
+    more_samples: int | None = None  # undecided: pairs in all likely needed to decide, from the spread seen
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

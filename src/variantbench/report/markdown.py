@@ -45,7 +45,8 @@ def summary_lines(report: Report) -> list[str]:
     if undecided:
         lines += ["", "Comparisons the measurements could not decide (treated as ties above):", ""]
         lines += [f"- {c['a']} vs {c['b']} on {c['metric']}: {c['ratio']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]"
-                  + (f"; about {c['more_samples']} samples would likely decide it" if c.get("more_samples") else "")
+                  + (f"; about {c['more_samples']} samples in all ({c['pairs']} so far) would likely decide it"
+                     if c.get("more_samples") else "")
                   for c in undecided if c.get("ratio") is not None and c.get("ci_low") is not None]  # fmt: skip
     failed = [r for r in report.runs if r.status != "ok"]
     if failed:
@@ -166,7 +167,7 @@ def _decisions(report: Report) -> list[str]:
               if c.get("ratio") is not None and c.get("ci_low") is not None else "-")  # fmt: skip
         more = c.get("more_samples")
         rows.append([f"{c['a']} vs {c['b']}", c["metric"], ci, f"{c['confidence']:.1%}", str(c["pairs"]),
-                     f"**{c['state']}**", (f"about {more} samples" if more else "-")
+                     f"**{c['state']}**", (f"about {more} samples in all" if more else "-")
                      if c["state"] == "undecided" else "-"])  # fmt: skip
     undecided = [
         f"{c['a']} vs {c['b']} ({c['metric']})" for c in report.comparisons if c["state"] == "undecided"
