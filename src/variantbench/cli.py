@@ -119,7 +119,8 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
     show_decision(stdout, report, plan.decision.profile)
     out = plan.out
     console.print(
-        f"wrote {out / 'report.json'}, {out / 'report.md'}, {out / 'queries.jsonl'} and {out / 'plan.yaml'}"
+        f"wrote {out / 'report.json'}, {out / 'report.md'}, {out / 'report.csv'}, {out / 'queries.jsonl'} and "
+        f"{out / 'plan.yaml'}"
     )
     for r in report.runs:
         if r.peak is not None:
@@ -182,7 +183,54 @@ def report(
         _fail(str(exc))
         return
     show_decision(Console(), rebuilt, (rebuilt.plan.get("decision") or {}).get("profile"))
-    Console(stderr=True).print(f"wrote {folder / 'report.json'} and {folder / 'report.md'}")
+    Console(stderr=True).print(
+        f"wrote {folder / 'report.json'}, {folder / 'report.md'} and {folder / 'report.csv'}"
+    )
+
+
+@app.command()
+def history(
+    model: Annotated[str | None, typer.Option(help="only this model (its name in the report)")] = None,
+    variant: Annotated[str | None, typer.Option(help="only this variant")] = None,
+    db: Annotated[
+        Path | None, typer.Option("--history", help="the history file (default: <cache>/history.db)")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="at most this many rows, oldest first")] = None,
+) -> None:
+    """List the recorded runs: one row per variant run, with its headline metrics and intervals."""
+    from rich.table import Table
+
+    from variantbench.history import History
+
+    if db is not None and not db.is_file():
+        _fail(f"no history at {db}")
+    try:
+        with History(db) as h:
+            rows = h.rows(model=model, variant=variant, limit=limit)
+            where = h.path
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    table = Table(title=f"history: {where}", title_justify="left")
+    for col in ("id", "time (UTC)", "model", "variant", "scenario", "p50 ms", "p99 ms", "tok/s per query [95% CI]",
+                "quality", "machine", "code", "folder"):  # fmt: skip
+        table.add_column(col, overflow="fold")
+
+    def num(m: dict, key: str, fmt: str = ",.0f") -> str:
+        v = (m.get(key) or {}).get("value")
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        m = r["metrics"]
+        t = m.get("tokens_per_s_per_query") or {}
+        tput = "-" if t.get("value") is None else f"{t['value']:.1f}" + (
+            f" [{t['ci_low']:.1f}, {t['ci_high']:.1f}]" if t.get("ci_low") is not None else "")  # fmt: skip
+        table.add_row(str(r["id"]), r["created_utc"], r["model_name"] or "-", r["variant"], r["scenario"] or "-",
+                      num(m, "latency_p50_ms"), num(m, "latency_p99_ms"), tput, num(m, "quality_composite", ".3f"),
+                      r["machine_fingerprint"], r["code_version"], r["folder"])  # fmt: skip
+    Console().print(table)
+    if not rows:
+        Console(stderr=True).print("no runs recorded" + (" for that filter" if model or variant else ""))
 
 
 @app.command()

@@ -69,6 +69,9 @@ FLAGS: dict[str, Location] = {
     "--looks": ("analysis", "looks"),
     "--interleave": ("execution", "interleave"),
     "--block-s": ("execution", "block_s"),
+    "--csv": ("output", "csv"),
+    "--history": ("output", "history"),
+    "--record-history": ("output", "record_history"),
     "--cost-per-hour": ("cost", "per_hour"),
     "--devices": ("cost", "devices"),
     "--currency": ("cost", "currency"),
@@ -81,6 +84,10 @@ FLAGS: dict[str, Location] = {
     "--need-qps": ("decision", "need_qps"),
     "--need-build-s": ("decision", "need_build_s"),
     "--need-no-gpu": ("decision", "need_no_gpu"),
+}
+# flags that set one key to a fixed value
+ALIASES: dict[str, tuple[Location, Any]] = {
+    "--no-history": (("output", "record_history"), False),
 }
 # flags whose on/off choose a value other than true/false
 SWITCHES: dict[str, tuple[Location, Any, Any]] = {
@@ -118,6 +125,8 @@ def flag_help() -> list[tuple[str, str, str]]:
         rows.append((shown, ".".join(loc), desc))
     for flag, (loc, on, off) in SWITCHES.items():
         rows.append((f"{flag} / --no-{flag[2:]}", ".".join(loc), f"{on} (on) or {off} (off)"))
+    for flag, (loc, fixed) in ALIASES.items():
+        rows.append((flag, ".".join(loc), f"sets it to {fixed}"))
     return rows
 
 
@@ -161,6 +170,11 @@ def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs
         if name == "--set":
             loc, parsed = parse_override(value())
             args.overrides.append((loc, parsed))
+            continue
+        if name in ALIASES:
+            loc, fixed = ALIASES[name]
+            args.overrides.append((loc, fixed))
+            args.flag_of[loc] = name
             continue
         negated = name.startswith("--no-") and f"--{name[5:]}" in {**FLAGS, **SWITCHES}
         base = f"--{name[5:]}" if negated else name

@@ -264,6 +264,12 @@ class ExecutionPlan(_Section):
     )
 
 
+class OutputPlan(_Section):
+    csv: bool = Field(False, description="also write queries.csv (report.csv is always written)")
+    history: Path | None = Field(None, description="the results history (SQLite) this run is recorded in (default: <cache>/history.db)")  # fmt: skip
+    record_history: bool = Field(True, description="record this run in the history (--no-history: do not)")
+
+
 class Plan(_Section):
     """Everything a run needs, every default spelled out. ``Plan()`` is the default comparison."""
 
@@ -285,6 +291,7 @@ class Plan(_Section):
     cost: CostPlan = CostPlan()
     decision: DecisionPlan = DecisionPlan()
     execution: ExecutionPlan = ExecutionPlan()
+    output: OutputPlan = OutputPlan()
 
     @field_validator("variants", mode="before")
     @classmethod

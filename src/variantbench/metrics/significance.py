@@ -273,3 +273,23 @@ def log_ratio_interval(
         confidence, len(logs) - 1, loc=mean, scale=float(logs.std(ddof=1) / math.sqrt(len(logs)))
     )
     return {"value": math.exp(mean), "ci_low": math.exp(lo), "ci_high": math.exp(hi)}
+
+
+def quantile_interval(values: Sequence[float], q: float, seed: int = 0, resamples: int = RESAMPLES,
+                      confidence: float = 1 - ALPHA) -> dict[str, float | None]:  # fmt: skip
+    """Percentile ``q`` of ``values`` (LoadGen's definition) with a bootstrap interval (scipy; BCa,
+    else the percentile method); None below 3 values."""
+    from variantbench.metrics.latency import percentile
+
+    x = np.asarray(values, dtype=float)
+    if len(x) < 3:
+        return no_ratio()
+    value = percentile(list(x), q)
+    if np.all(x == x[0]):
+        return {"value": value, "ci_low": value, "ci_high": value}
+
+    def stat(v: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.percentile(v, q, axis=axis, method="inverted_cdf")
+
+    lo, hi = _bootstrap((x,), stat, seed, resamples, paired=False, confidence=confidence)
+    return {"value": value, "ci_low": lo, "ci_high": hi}

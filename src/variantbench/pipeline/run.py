@@ -179,8 +179,28 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
             report = _measure_interleaved(ctx, progress, console)
         else:
             report = _measure_one_by_one(ctx, progress)
-    write_outputs(report, out)  # the last assembly is the whole report
+    write_outputs(
+        report, out, read_log(log_path) if plan.output.csv else None
+    )  # the last assembly: the report
+    if plan.output.record_history:
+        _record_history(plan, report, ctx.records, base_dir, console)
     return report
+
+
+def _record_history(
+    plan: Plan, report: Report, records: list[QueryRecord], base_dir: str, console: Console
+) -> None:
+    """The run's rows in the results history; a history that cannot be written costs the run nothing."""
+    from variantbench.history import History
+
+    try:
+        with History(plan.output.history) as history:
+            weights = [f for pattern in ("*.safetensors", "*.bin", "*.gguf", "config.json")
+                       for f in Path(base_dir).glob(pattern)] if base_dir else []  # fmt: skip
+            ids = history.record(report, plan.out, records, history.file_hash(weights))
+        console.print(f"[dim]recorded in the history {history.path} (ids {', '.join(map(str, ids))})[/dim]")
+    except (UserError, OSError) as exc:
+        console.print(f"[yellow]not recorded in the history: {exc}[/yellow]", soft_wrap=True)
 
 
 @dataclass
@@ -333,12 +353,17 @@ def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, disp
     return result["artifact"]
 
 
-def write_outputs(report: Report, out: Path) -> None:
-    """report.json, report.md and the MLPerf-style summaries: every file rendered from the report."""
+def write_outputs(report: Report, out: Path, records: list[QueryRecord] | None = None) -> None:
+    """report.json, report.md, report.csv and the MLPerf-style summaries: every file rendered from the
+    report; queries.csv too when ``records`` are given (``--csv``)."""
     from variantbench.report.markdown import render
     from variantbench.report.mlperf import run_summary
+    from variantbench.report.tables import write_queries_csv, write_report_csv
 
     report.write(out / "report.json")
+    write_report_csv(report, out / "report.csv")
+    if records is not None:
+        write_queries_csv(records, out / "queries.csv")
     for run in report.runs:
         if run.status == "ok":
             (out / f"mlperf_log_summary.{_safe(run.variant)}.txt").write_text(run_summary(report, run))
@@ -362,7 +387,7 @@ def rebuild_report(folder: Path) -> Report:
         raise UserError(f"cannot read the run in {folder}: {str(exc).splitlines()[0]}") from None
     order = [r.variant for r in old.runs] or None
     report = assemble(old, plan, raws, records, order=order)
-    write_outputs(report, folder)
+    write_outputs(report, folder, records if plan.output.csv else None)
     return report
 
 
