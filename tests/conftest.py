@@ -79,3 +79,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tied"), tie=True, seed=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_history(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Runs made by the tests go to a history of their own, never the user's <cache>/history.db."""
+    import os
+
+    os.environ["VARIANTBENCH_HISTORY"] = str(tmp_path_factory.mktemp("history") / "history.db")

@@ -61,7 +61,7 @@ def test_flags_are_shortcuts_for_key_paths() -> None:
 
 def test_every_flag_names_a_real_setting_and_takes_its_help_from_the_plan() -> None:
     rows = flag_help()
-    assert len(rows) == len(FLAGS) + 1  # + --isolate
+    assert len(rows) == len(FLAGS) + 2  # + --isolate, --no-history
     for flag, key, desc in rows:
         assert desc, f"{flag} ({key}) has no description in the plan"
     from variantbench.plan import SCENARIO_TYPES

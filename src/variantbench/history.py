@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 import hashlib
 import json
+import os
 from pathlib import Path
 import sqlite3
 import subprocess
@@ -64,7 +65,9 @@ MACHINE_KEYS = ("cpu_model", "cpu_flags", "cpu_logical_cores", "cpu_physical_cor
 
 
 def default_path() -> Path:
-    return cache_root() / "history.db"
+    """``$VARIANTBENCH_HISTORY``, else ``<cache>/history.db`` (the tests point it into their temp folder)."""
+    explicit = os.environ.get("VARIANTBENCH_HISTORY")
+    return Path(explicit).expanduser() if explicit else cache_root() / "history.db"
 
 
 def machine_fingerprint(environment: dict[str, Any]) -> tuple[str, dict[str, Any]]:
