@@ -188,6 +188,81 @@ def report(
     )
 
 
+def _ci(c: object) -> str:
+    ratio, lo, hi = getattr(c, "ratio"), getattr(c, "ci_low"), getattr(c, "ci_high")  # noqa: B009
+    if ratio is None:
+        return "-"
+    return f"{ratio:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
+
+
+def _machine_warning(cmp: object) -> None:
+    a, b = getattr(cmp, "machine_a"), getattr(cmp, "machine_b")  # noqa: B009
+    changed = sorted(k for k in a if a.get(k) != b.get(k))
+    Console(stderr=True).print(f"[bold red]WARNING: the runs were made on different machines ({', '.join(changed)} "
+                               "differ): their ratios mix the machines with the change[/bold red]", soft_wrap=True)  # fmt: skip
+
+
+@app.command()
+def compare(
+    a: Annotated[Path, typer.Argument(help="the baseline run folder")],
+    b: Annotated[Path, typer.Argument(help="the run folder compared with it")],
+    strict: Annotated[bool, typer.Option(help="refuse runs made on different machines")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the comparison here")] = None,
+) -> None:
+    """B against A, variant by variant: ratios B/A with 95% intervals, paired by sample."""
+    from rich.table import Table
+
+    from variantbench.compare import METRICS, compare_runs, write_json
+
+    try:
+        cmp = compare_runs(a, b, strict=strict)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    if cmp.machine_differs:
+        _machine_warning(cmp)
+    table = Table(title=f"{b} against {a} (B/A)", title_justify="left")
+    for col in ("variant", "metric", "B/A [95% CI]", "pairs", "verdict"):
+        table.add_column(col)
+    for c in cmp.changes:
+        table.add_row(c.variant, c.metric, _ci(c), str(c.pairs), c.verdict)
+    Console().print(table)
+    Console().print("; ".join(f"{k}: {what}" for k, (what, _) in METRICS.items()), style="dim")
+    if json_out is not None:
+        write_json(cmp, json_out)
+
+
+@app.command()
+def check(
+    b: Annotated[Path, typer.Argument(help="the run folder to check")],
+    baseline: Annotated[Path, typer.Option(help="the baseline run folder")],
+    max_regression: Annotated[
+        str, typer.Option(help="METRIC=PCT% per gated metric: latency, p99, tokens_per_s, quality")
+    ] = "p99=5%,tokens_per_s=5%,quality=1%",  # fmt: skip
+    strict: Annotated[bool, typer.Option(help="refuse runs made on different machines")] = False,
+) -> None:
+    """The CI gate: exit 1 when a metric of B regressed against the baseline beyond its threshold,
+    its whole interval past it; 0 otherwise. One line per variant and metric."""
+    from variantbench.compare import compare_runs, gate, parse_thresholds
+
+    try:
+        thresholds = parse_thresholds(max_regression)
+        cmp = compare_runs(baseline, b, strict=strict)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    if cmp.machine_differs:
+        _machine_warning(cmp)
+    rows = gate(cmp, thresholds)
+    for c, limit, regressed in rows:
+        word = "REGRESSED" if regressed else "ok"
+        typer.echo(f"{word:9s} {c.variant} {c.metric}: B/A {_ci(c)} (threshold {limit:.0%})")
+    failed = [c for c, _, regressed in rows if regressed]
+    typer.echo(f"{len(failed)} of {len(rows)} gated metrics regressed" if rows else "nothing to gate")
+    if failed:
+        raise typer.Exit(1)
+
+
 @app.command()
 def history(
     model: Annotated[str | None, typer.Option(help="only this model (its name in the report)")] = None,
