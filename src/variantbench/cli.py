@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from rich.console import Console
 import typer
@@ -195,11 +195,19 @@ def _ci(c: object) -> str:
     return f"{ratio:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
 
 
-def _machine_warning(cmp: object) -> None:
-    a, b = getattr(cmp, "machine_a"), getattr(cmp, "machine_b")  # noqa: B009
-    changed = sorted(k for k in a if a.get(k) != b.get(k))
-    Console(stderr=True).print(f"[bold red]WARNING: the runs were made on different machines ({', '.join(changed)} "
-                               "differ): their ratios mix the machines with the change[/bold red]", soft_wrap=True)  # fmt: skip
+def _compared(a: Path, b: Path, strict: bool) -> Any:
+    """B against A, or one line and exit; a loud warning when the machines differ."""
+    from variantbench.compare import compare_runs
+
+    try:
+        cmp = compare_runs(a, b, strict=strict)
+    except UserError as exc:
+        _fail(str(exc))
+    if cmp.machine_differs:
+        changed = sorted(k for k in cmp.machine_a if cmp.machine_a.get(k) != cmp.machine_b.get(k))
+        Console(stderr=True).print(f"[bold red]WARNING: the runs were made on different machines ({', '.join(changed)} "
+                                   "differ): their ratios mix the machines with the change[/bold red]", soft_wrap=True)  # fmt: skip
+    return cmp
 
 
 @app.command()
@@ -212,15 +220,9 @@ def compare(
     """B against A, variant by variant: ratios B/A with 95% intervals, paired by sample."""
     from rich.table import Table
 
-    from variantbench.compare import METRICS, compare_runs, write_json
+    from variantbench.compare import METRICS, write_json
 
-    try:
-        cmp = compare_runs(a, b, strict=strict)
-    except UserError as exc:
-        _fail(str(exc))
-        return
-    if cmp.machine_differs:
-        _machine_warning(cmp)
+    cmp = _compared(a, b, strict)
     table = Table(title=f"{b} against {a} (B/A)", title_justify="left")
     for col in ("variant", "metric", "B/A [95% CI]", "pairs", "verdict"):
         table.add_column(col)
@@ -243,16 +245,14 @@ def check(
 ) -> None:
     """The CI gate: exit 1 when a metric of B regressed against the baseline beyond its threshold,
     its whole interval past it; 0 otherwise. One line per variant and metric."""
-    from variantbench.compare import compare_runs, gate, parse_thresholds
+    from variantbench.compare import gate, parse_thresholds
 
     try:
         thresholds = parse_thresholds(max_regression)
-        cmp = compare_runs(baseline, b, strict=strict)
     except UserError as exc:
         _fail(str(exc))
         return
-    if cmp.machine_differs:
-        _machine_warning(cmp)
+    cmp = _compared(baseline, b, strict)
     rows = gate(cmp, thresholds)
     for c, limit, regressed in rows:
         word = "REGRESSED" if regressed else "ok"
