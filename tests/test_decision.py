@@ -128,7 +128,12 @@ def _run_plan(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_interleaved_turns_and_a_planted_slowdown_decided_by_the_sequential_rule(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    report = _run_plan(tmp_path, tiny_model_dir, monkeypatch, analysis={"until_decided": True, "looks": 4})
+    report = _run_plan(
+        tmp_path,
+        tiny_model_dir,
+        monkeypatch,
+        analysis={"until_decided": True, "looks": 6, "decide_within_s": None},
+    )
     ex = report["execution"]
     assert ex["interleaved"] is True
     rep = ex["repeats"][0]
@@ -136,7 +141,7 @@ def test_interleaved_turns_and_a_planted_slowdown_decided_by_the_sequential_rule
     pair = next(c for c in report["comparisons"] if c["metric"] == "throughput")
     assert (pair["a"], pair["b"], pair["state"]) == ("fp32", "bf16", "faster"), pair
     assert 0.7 < pair["ratio"] ** -1 < 0.9  # bf16 / fp32 throughput near the planted 0.8
-    assert pair["confidence"] == pytest.approx(1 - 0.05 / 4)
+    assert pair["confidence"] == pytest.approx(1 - 0.05 / 6)
     # every round: each variant answered the same one sample, the order rotated, rounds never overlap
     queries = [json.loads(x) for x in (tmp_path / "out" / "queries.jsonl").read_text().splitlines()]
     by_block: dict[int, list[dict]] = {}
