@@ -87,3 +87,45 @@ def _private_history(tmp_path_factory: pytest.TempPathFactory) -> None:
     import os
 
     os.environ["VARIANTBENCH_HISTORY"] = str(tmp_path_factory.mktemp("history") / "history.db")
+
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update"]  # fmt: skip
+
+
+def _find_chromium() -> str | None:
+    import os
+    import shutil
+
+    for candidate in (os.environ.get("VARIANTBENCH_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                      shutil.which("chromium-browser"), shutil.which("google-chrome")):  # fmt: skip
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():  # noqa: ANN201 - a playwright Browser
+    """Debian's chromium driven by Playwright (by its executable path: no browser download).
+
+    Installed with apt when missing and we may (root, apt-get present), so the README's test command
+    works on a fresh machine; `.ci/run` installs it first and sets VARIANTBENCH_REQUIRE_BROWSER=1,
+    so in CI a missing browser fails instead of skipping."""
+    import os
+    import shutil
+    import subprocess
+
+    path = _find_chromium()
+    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=900,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+        path = _find_chromium()
+    if path is None:
+        if os.environ.get("VARIANTBENCH_REQUIRE_BROWSER"):
+            pytest.fail("no chromium: install Debian's chromium package (apt-get install chromium)")
+        pytest.skip("no chromium browser (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
+        yield b
+        b.close()

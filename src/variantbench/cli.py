@@ -119,8 +119,8 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
     show_decision(stdout, report, plan.decision.profile)
     out = plan.out
     console.print(
-        f"wrote {out / 'report.json'}, {out / 'report.md'}, {out / 'report.csv'}, {out / 'queries.jsonl'} and "
-        f"{out / 'plan.yaml'}"
+        f"wrote {out / 'report.html'}, {out / 'report.json'}, {out / 'report.md'}, {out / 'report.csv'}, "
+        f"{out / 'queries.jsonl'} and {out / 'plan.yaml'}"
     )
     for r in report.runs:
         if r.peak is not None:
@@ -184,7 +184,8 @@ def report(
         return
     show_decision(Console(), rebuilt, (rebuilt.plan.get("decision") or {}).get("profile"))
     Console(stderr=True).print(
-        f"wrote {folder / 'report.json'}, {folder / 'report.md'} and {folder / 'report.csv'}"
+        f"wrote {folder / 'report.html'}, {folder / 'report.json'}, {folder / 'report.md'} and "
+        f"{folder / 'report.csv'}"
     )
 
 

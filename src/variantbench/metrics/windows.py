@@ -94,12 +94,17 @@ class Trimmed:
     raw_mean: float | None
 
 
+def outliers(values: Sequence[float]) -> list[bool]:
+    """Which values lie beyond 3 standard deviations of the mean (none with fewer than 3 values)."""
+    if len(values) < 3:
+        return [False] * len(values)
+    centre, sd = statistics.fmean(values), statistics.pstdev(values)
+    return [sd > 0 and abs(v - centre) > 3 * sd for v in values]
+
+
 def three_sigma(values: Sequence[float]) -> Trimmed:
     if not values:
         return Trimmed(0, None, None)
     raw = statistics.fmean(values)
-    if len(values) < 3:
-        return Trimmed(0, raw, raw)
-    sd = statistics.pstdev(values)
-    kept = [v for v in values if abs(v - raw) <= 3 * sd] if sd > 0 else list(values)
+    kept = [v for v, out in zip(values, outliers(values), strict=True) if not out]
     return Trimmed(len(values) - len(kept), statistics.fmean(kept), raw)

@@ -92,7 +92,7 @@ def summarize_payload(
     from variantbench.analysis.cost import derive
     from variantbench.metrics.windows import windows as make_windows
     from variantbench.report.schema import Cost, Diagnosis
-    from variantbench.trackers.resources import ResourceSample, window_resources
+    from variantbench.trackers.resources import sample_from_row, window_resources
 
     fidelity = payload.get("fidelity") or {}
     criteria = criteria_for(plan, payload["seeds"], target_qps=payload["load_settings"]["rate_qps"])
@@ -114,7 +114,7 @@ def summarize_payload(
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
-    samples = [ResourceSample(t, rss, cpu) for t, rss, cpu in payload.get("resource_samples") or []]
+    samples = [sample_from_row(row) for row in payload.get("resource_samples") or []]
     if samples and run.windows:
         spans = [(w.start_ns, w.end_ns) for w in make_windows(records, criteria.window)]
         for w, extra in zip(

@@ -154,7 +154,7 @@ class VariantSession:
                 self.phases["diagnosis"] = time.perf_counter() - start
         finally:
             self.close()
-        from variantbench.trackers.resources import merge_results
+        from variantbench.trackers.resources import merge_results, sample_row
 
         res = merge_results(self.usage)
         result = self.result
@@ -168,7 +168,7 @@ class VariantSession:
             "run_id": str(result.settings.get("run_id", job.load.run_id)),
             "scenario": job.load.scenario,
             "diagnosis": diagnosis,
-            "resource_samples": [[x.t_ns, x.rss_bytes, round(x.cpu_s, 4)] for x in res.samples],
+            "resource_samples": [sample_row(x) for x in res.samples],
             "name": backend.name,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
             "peak_search": self.trials,

@@ -179,9 +179,8 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
             report = _measure_interleaved(ctx, progress, console)
         else:
             report = _measure_one_by_one(ctx, progress)
-    write_outputs(
-        report, out, read_log(log_path) if plan.output.csv else None
-    )  # the last assembly: the report
+    # the last assembly: every file, from the log as `variantbench report DIR` reads it (the log's order)
+    write_outputs(report, out, read_log(log_path), ctx.raws, csv=plan.output.csv)
     if plan.output.record_history:
         _record_history(plan, report, ctx.records, base_dir, console)
     return report
@@ -258,8 +257,9 @@ class _RunContext:
         self.raws.append(payload)
 
     def assemble(self) -> Report:
+        """The report so far, every file of it: a run stopped here (even by SIGKILL) leaves a whole report."""
         report = assemble(self.header, self.plan, self.raws, self.records, order=self.order)
-        report.write(self.plan.out / "report.json")
+        write_outputs(report, self.plan.out, self.records, self.raws)
         return report
 
 
@@ -353,16 +353,19 @@ def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, disp
     return result["artifact"]
 
 
-def write_outputs(report: Report, out: Path, records: list[QueryRecord] | None = None) -> None:
-    """report.json, report.md, report.csv and the MLPerf-style summaries: every file rendered from the
-    report; queries.csv too when ``records`` are given (``--csv``)."""
+def write_outputs(
+    report: Report, out: Path, records: list[QueryRecord], raws: list[dict[str, Any]], csv: bool = False
+) -> None:
+    """report.json, report.md, report.html, report.csv and the MLPerf-style summaries: every file
+    rendered from the report, the query log and the raw payloads; queries.csv too with ``csv``."""
+    from variantbench.report.html import write_html
     from variantbench.report.markdown import render
     from variantbench.report.mlperf import run_summary
     from variantbench.report.tables import write_queries_csv, write_report_csv
 
     report.write(out / "report.json")
     write_report_csv(report, out / "report.csv")
-    if records is not None:
+    if csv:
         write_queries_csv(records, out / "queries.csv")
     for run in report.runs:
         if run.status == "ok":
@@ -370,6 +373,7 @@ def write_outputs(report: Report, out: Path, records: list[QueryRecord] | None =
     tmp = out / "report.md.tmp"
     tmp.write_text(render(report), encoding="utf-8")
     tmp.replace(out / "report.md")
+    write_html(report, records, raws, out / "report.html")
 
 
 def rebuild_report(folder: Path) -> Report:
@@ -387,7 +391,7 @@ def rebuild_report(folder: Path) -> Report:
         raise UserError(f"cannot read the run in {folder}: {str(exc).splitlines()[0]}") from None
     order = [r.variant for r in old.runs] or None
     report = assemble(old, plan, raws, records, order=order)
-    write_outputs(report, folder, records if plan.output.csv else None)
+    write_outputs(report, folder, records, raws, csv=plan.output.csv)
     return report
 
 

@@ -41,6 +41,19 @@ class ResourceSample:
     gpu_power_w: float | None = None
 
 
+def sample_row(x: ResourceSample) -> list[Any]:
+    """A sample as raw/*.json keeps it: [t_ns, rss_bytes, cpu_s], plus the GPU's three fields when a
+    GPU was sampled (rows stay short for the CPU-only runs that are most of them)."""
+    row: list[Any] = [x.t_ns, x.rss_bytes, round(x.cpu_s, 4)]
+    if x.gpu_util is not None or x.gpu_mem_bytes is not None or x.gpu_power_w is not None:
+        row += [x.gpu_util, x.gpu_mem_bytes, x.gpu_power_w]
+    return row
+
+
+def sample_from_row(row: list[Any]) -> ResourceSample:
+    return ResourceSample(*row[:6])
+
+
 @dataclass
 class ResourceResult:
     peak_rss_bytes: int = 0

@@ -1,0 +1,197 @@
+"""report.html: one self-contained page to send a colleague.
+
+The decision first (a recommendation per deployment profile, with its reasons), then the headline
+numbers, then the charts of ``report/charts.py``, then how the run was made (environment, plan).
+plotly's JavaScript is embedded once in the page, so it opens with no network; the page is about
+5 MB, of which 4.8 MB is plotly.js. Drawn from report.json, queries.jsonl and raw/ like every other
+renderer, so ``variantbench report DIR`` rewrites it, and a partial run's page says what is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import cache
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from variantbench.records import QueryRecord
+from variantbench.report.charts import Chart, Inputs, all_charts
+from variantbench.report.schema import Report, RunReport
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1b1b1b;
+       background: #fafafa; }
+main { max-width: 1200px; margin: 0 auto; padding: 16px 24px 48px; }
+h1 { font-size: 1.5em; margin: 0.4em 0 0.1em; } h2 { font-size: 1.2em; margin: 1.6em 0 0.3em; }
+.meta { color: #555; font-size: 0.9em; }
+table { border-collapse: collapse; width: 100%; font-size: 0.88em; background: white; }
+th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.caption { color: #444; margin: 0 0 6px; font-size: 0.92em; }
+.missing, .notice { background: #fff4e5; border-left: 4px solid #f0a020; padding: 6px 10px; }
+.notice.bad { background: #fdecea; border-color: #d62728; }
+section.chart { background: white; border: 1px solid #e3e3e3; border-radius: 6px; padding: 8px 12px;
+                margin: 14px 0; }
+.deploy { font-weight: 600; } pre { background: white; border: 1px solid #ddd; padding: 8px;
+overflow-x: auto; font-size: 0.82em; } details { margin: 4px 0; }
+"""
+
+
+@cache
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def _e(value: Any) -> str:
+    return html.escape("-" if value is None else str(value))
+
+
+def _num(value: float | None, fmt: str = ",.1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _interval(value: float | None, low: float | None, high: float | None, fmt: str = ",.1f") -> str:
+    if value is None:
+        return "-"
+    if low is None or high is None:
+        return format(value, fmt)
+    return f"{value:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
+
+
+def _table(header: list[str], rows: Iterable[list[str]], numeric_from: int = 1) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = []
+    for row in rows:
+        cells = "".join(f'<td class="num">{c}</td>' if i >= numeric_from else f"<td>{c}</td>"
+                        for i, c in enumerate(row))  # fmt: skip
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def notices(report: Report, raws: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """What a reader must know before trusting the page: failures, variants never measured, INVALID runs."""
+    out: list[tuple[str, bool]] = []
+    for run in report.runs:
+        if run.status != "ok":
+            out.append((f"{run.variant} failed: {run.error or 'no error recorded'}", True))
+        elif run.validity.verdict != "VALID":
+            out.append((f"{run.variant} is INVALID: {'; '.join(run.validity.reasons) or 'see the validity checks'}",
+                        False))  # fmt: skip
+    planned = [str(v) for v in report.plan.get("variants") or []]
+    measured = {r.variant for r in report.runs}
+    never = [v for v in planned if v.split("=")[0] not in measured and v not in measured]
+    if never:
+        out.append(
+            (f"not measured (the run stopped before them, or they failed to start): {', '.join(never)}", True)
+        )
+    if report.runs and not raws:
+        out.append(("raw/ is empty: resource, batch and diagnosis charts cannot be drawn", False))
+    return out
+
+
+def _recommendations(report: Report) -> str:
+    if not report.recommendations:
+        return '<p class="missing">No recommendation: no variant finished measuring.</p>'
+    rows = []
+    for profile, rec in report.recommendations.items():
+        reasons = rec.get("reasons") or {}
+        others = "".join(
+            f"<li><b>{_e(v)}</b>: {_e(why)}</li>" for v, why in reasons.items() if v != rec.get("variant")
+        )
+        why = _e(reasons.get(rec.get("variant"), rec.get("summary", "")))
+        detail = f"<details><summary>the others</summary><ul>{others}</ul></details>" if others else ""
+        tied = ", ".join(rec.get("tied") or []) or "-"
+        rows.append([f"<b>{_e(profile)}</b><br><span class='meta'>{_e(rec.get('description', ''))}</span>",
+                     f"<span class='deploy'>{_e(rec.get('variant') or 'none')}</span>", why + detail, _e(tied)])  # fmt: skip
+    return _table(["profile", "deploy", "why", "tied with"], rows, numeric_from=99)
+
+
+def _headline_row(run: RunReport) -> list[str]:
+    batch = run.batch_throughput or {}
+    vs = run.quality_vs_standard
+    cost = run.cost
+    cost_ci = (cost.per_million_output_tokens_ci if cost else None) or [None, None]
+    return [
+        f"<b>{_e(run.variant)}</b>" + ("" if run.status == "ok" else " (failed)"),
+        _num(run.latency_ms.p50, ",.0f"),
+        _num(run.latency_ms.p99, ",.0f"),
+        _num(run.ttft_ms.p50, ",.0f"),
+        _num(run.tpot_ms.p50, ",.1f"),
+        _num(run.throughput.output_tokens_per_s),
+        _interval(batch.get("tokens_per_s"), batch.get("ci_low"), batch.get("ci_high")),
+        _num(run.quality.composite, ".3f"),
+        _num(vs.ratio * 100 if vs and vs.ratio is not None else None, ".1f") + (f" {vs.gate}" if vs else ""),
+        _num(run.quality.kl_mean, ".3g"),
+        _num(run.resources.peak_rss_bytes / 1e6 if run.resources.peak_rss_bytes else None, ",.0f"),
+        _interval(cost.per_million_output_tokens if cost else None, cost_ci[0], cost_ci[1], ",.2f"),
+    ]
+
+
+HEADLINE = ["variant", "P50 latency, ms", "P99 latency, ms", "P50 TTFT, ms", "P50 TPOT, ms", "output tokens/s",
+            "batch-8 tokens/s [95% CI]", "quality", "% of standard, gate", "KL, nats", "peak RSS, MB",
+            "cost per 1M tokens [95% CI]"]  # fmt: skip
+
+
+def _chart(chart: Chart) -> str:
+    head = f'<section class="chart" id="{chart.key}"><h2>{_e(chart.title)}</h2><p class="caption">{_e(chart.caption)}</p>'
+    if chart.figure is None:
+        return head + f'<p class="missing">Not drawn: {_e(chart.missing)}</p></section>'
+    div = chart.figure.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{chart.key}",
+                               config={"responsive": True, "displaylogo": False})  # fmt: skip
+    return head + div + "</section>"
+
+
+def _environment(report: Report) -> str:
+    env = dict(report.environment)
+    flags = env.pop("cpu_flags", None)
+    rows = [[_e(k), _e(v if not isinstance(v, dict | list) else json.dumps(v))] for k, v in env.items()]
+    if flags:
+        rows.append(["cpu_flags", _e(" ".join(flags) if isinstance(flags, list) else flags)])
+    return _table(["", "value"], rows, numeric_from=99)
+
+
+def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]]) -> str:
+    charts = all_charts(Inputs.of(report, records, raws))
+    model = report.model.get("name") or report.model.get("source") or "model"
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>variantbench: {_e(model)}</title><style>{STYLE}</style>",
+        f"<script type='text/javascript'>{plotly_js()}</script></head><body><main>",
+        f"<h1>Which variant of {_e(model)} to deploy</h1>",
+        f"<p class='meta'>variantbench {_e(report.tool_version)} · {_e(report.created_utc)} · standard "
+        f"<b>{_e(report.standard)}</b> · variants {_e(', '.join(r.variant for r in report.runs) or 'none')} · "
+        f"{_e(report.environment.get('cpu_model'))}, {_e(report.environment.get('cpu_logical_cores'))} cores</p>",
+    ]
+    parts += [
+        f"<p class='notice{' bad' if bad else ''}'>{_e(text)}</p>" for text, bad in notices(report, raws)
+    ]
+    parts += ["<h2>Recommendation</h2>", _recommendations(report)]
+    parts += ["<h2>Headline numbers</h2>",
+              "<p class='caption'>From the measured queries; intervals are 95%. Quality is the composite "
+              "(0.5 BLEU + 0.5 ROUGE-L) against the references.</p>",
+              _table(HEADLINE, [_headline_row(r) for r in report.runs])]  # fmt: skip
+    parts += [_chart(c) for c in charts]
+    execution = report.execution
+    parts += ["<h2>How it was run</h2>",
+              f"<p class='caption'>{'Interleaved' if execution.get('interleaved') else 'One variant after another'}"
+              f"{': ' + _e(execution.get('why_not')) if execution.get('why_not') else ''}.</p>",
+              "<h3>Environment</h3>", _environment(report),
+              "<h3>Plan</h3>", f"<pre>{_e(yaml.safe_dump(report.plan, sort_keys=False))}</pre>",
+              "</main></body></html>"]  # fmt: skip
+    return "\n".join(parts)
+
+
+def write_html(
+    report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]], path: Path
+) -> None:
+    """Atomically, like report.json: a crash mid-write never leaves half a page."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(render(report, records, raws), encoding="utf-8")
+    tmp.replace(path)
