@@ -87,6 +87,49 @@ def test_the_run_is_in_the_history_with_its_identity_and_intervals(tiny_run: tup
         assert len(h.rows()) == 2
 
 
+def test_history_plot_draws_a_trend_per_metric(tiny_run: tuple[Path, Path], tmp_path: Path, browser) -> None:  # noqa: ANN001
+    _, db = tiny_run
+    page = tmp_path / "trends.html"
+    proc = _cli("history", "--history", str(db), "--plot", "--plot-out", str(page))
+    assert proc.returncode == 0, proc.stderr
+    tab = browser.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.goto(page.as_uri())
+    charts = tab.evaluate("""() => Array.from(document.querySelectorAll('section.chart')).map(s => [s.id,
+        s.querySelector('.js-plotly-plot').data.map(t => t.y.length).reduce((a, b) => a + b, 0)])""")
+    tab.close()
+    assert errors == []
+    by_id = dict(charts)
+    # every metric with a value has its chart, one point per variant run (two variants, one run)
+    for metric in (
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "output_tokens_per_s",
+        "quality_composite",
+        "peak_rss_bytes",
+    ):
+        assert by_id.get(f"trend-{metric}") == 2, charts
+
+
+def test_compare_takes_history_ids_and_writes_its_page(tiny_run: tuple[Path, Path], tmp_path: Path) -> None:
+    out, db = tiny_run
+    with History(db) as h:
+        ids = {r["variant"]: r["id"] for r in h.rows()}
+    page = tmp_path / "cmp.html"
+    # one run's bf16 against its fp32, named by history ids: the ids choose the variants
+    proc = _cli("compare", str(ids["fp32"]), str(ids["bf16"]), "--history", str(db), "--html", str(page),
+                "--json", str(tmp_path / "cmp.json"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    assert {c["variant"] for c in data["changes"]} == {"bf16 vs fp32"}
+    assert page.is_file() and "fig-compare" in page.read_text()
+    missing = _cli("compare", "999", str(out), "--history", str(db))
+    assert (
+        missing.returncode != 0 and "999 is neither a run folder nor an id in the history" in missing.stderr
+    )
+
+
 def _report(tag: str) -> Report:
     return Report(tool_version="t", created_utc=tag, model={"name": "m"}, standard="a", plan={"out": tag},
                   workload={}, environment={"cpu_model": "x"},

@@ -196,12 +196,14 @@ def _ci(c: object) -> str:
     return f"{ratio:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
 
 
-def _compared(a: Path, b: Path, strict: bool) -> Any:
-    """B against A, or one line and exit; a loud warning when the machines differ."""
-    from variantbench.compare import compare_runs
+def _compared(a: str, b: str, strict: bool, history: Path | None = None) -> Any:
+    """B against A (run folders or history ids), or one line and exit; a loud warning when the
+    machines differ."""
+    from variantbench.compare import compare_runs, resolve
 
     try:
-        cmp = compare_runs(a, b, strict=strict)
+        (folder_a, variant_a), (folder_b, variant_b) = resolve(a, history), resolve(b, history)
+        cmp = compare_runs(folder_a, folder_b, strict=strict, variant_a=variant_a, variant_b=variant_b)
     except UserError as exc:
         _fail(str(exc))
     if cmp.machine_differs:
@@ -211,20 +213,32 @@ def _compared(a: Path, b: Path, strict: bool) -> Any:
     return cmp
 
 
+HISTORY_OPTION = typer.Option(
+    "--history", help="the history file for history ids (default: <cache>/history.db)"
+)
+
+
 @app.command()
 def compare(
-    a: Annotated[Path, typer.Argument(help="the baseline run folder")],
-    b: Annotated[Path, typer.Argument(help="the run folder compared with it")],
+    a: Annotated[str, typer.Argument(help="the baseline: a run folder or a history id")],
+    b: Annotated[str, typer.Argument(help="compared with it: a run folder or a history id")],
     strict: Annotated[bool, typer.Option(help="refuse runs made on different machines")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the comparison here")] = None,
+    html: Annotated[
+        Path | None, typer.Option(help="write the HTML page here (default: B's folder/compare.html)")
+    ] = None,
+    history: Annotated[Path | None, HISTORY_OPTION] = None,
 ) -> None:
-    """B against A, variant by variant: ratios B/A with 95% intervals, paired by sample."""
+    """B against A, variant by variant: ratios B/A with 95% intervals, paired by sample; printed, and
+    written as an HTML page with a forest plot."""
     from rich.table import Table
 
     from variantbench.compare import METRICS, write_json
+    from variantbench.report.compare_page import render
+    from variantbench.report.pages import write_page
 
-    cmp = _compared(a, b, strict)
-    table = Table(title=f"{b} against {a} (B/A)", title_justify="left")
+    cmp = _compared(a, b, strict, history)
+    table = Table(title=f"{cmp.b} against {cmp.a} (B/A)", title_justify="left")
     for col in ("variant", "metric", "B/A [95% CI]", "pairs", "verdict"):
         table.add_column(col)
     for c in cmp.changes:
@@ -233,16 +247,23 @@ def compare(
     Console().print("; ".join(f"{k}: {what}" for k, (what, _) in METRICS.items()), style="dim")
     if json_out is not None:
         write_json(cmp, json_out)
+    page = html or Path(cmp.b) / "compare.html"
+    try:
+        write_page(render(cmp.to_json()), page)
+    except OSError as exc:
+        _fail(f"cannot write {page}: {exc.strerror or exc}")
+    Console(stderr=True).print(f"wrote {page}")
 
 
 @app.command()
 def check(
-    b: Annotated[Path, typer.Argument(help="the run folder to check")],
-    baseline: Annotated[Path, typer.Option(help="the baseline run folder")],
+    b: Annotated[str, typer.Argument(help="the run to check: a run folder or a history id")],
+    baseline: Annotated[str, typer.Option(help="the baseline: a run folder or a history id")],
     max_regression: Annotated[
         str, typer.Option(help="METRIC=PCT% per gated metric: latency, p99, tokens_per_s, quality")
     ] = "p99=5%,tokens_per_s=5%,quality=1%",  # fmt: skip
     strict: Annotated[bool, typer.Option(help="refuse runs made on different machines")] = False,
+    history: Annotated[Path | None, HISTORY_OPTION] = None,
 ) -> None:
     """The CI gate: exit 1 when a metric of B regressed against the baseline beyond its threshold,
     its whole interval past it; 0 otherwise. One line per variant and metric."""
@@ -253,7 +274,7 @@ def check(
     except UserError as exc:
         _fail(str(exc))
         return
-    cmp = _compared(baseline, b, strict)
+    cmp = _compared(baseline, b, strict, history)
     rows = gate(cmp, thresholds)
     for c, limit, regressed in rows:
         word = "REGRESSED" if regressed else "ok"
@@ -272,8 +293,11 @@ def history(
         Path | None, typer.Option("--history", help="the history file (default: <cache>/history.db)")
     ] = None,
     limit: Annotated[int | None, typer.Option(help="at most this many rows, oldest first")] = None,
+    plot: Annotated[bool, typer.Option(help="also write an HTML trend chart per metric")] = False,
+    plot_out: Annotated[Path, typer.Option(help="where --plot writes")] = Path("history.html"),
 ) -> None:
-    """List the recorded runs: one row per variant run, with its headline metrics and intervals."""
+    """List the recorded runs: one row per variant run, with its headline metrics and intervals;
+    with --plot, a trend chart per metric as an HTML page."""
     from rich.table import Table
 
     from variantbench.history import History
@@ -307,6 +331,15 @@ def history(
     Console().print(table)
     if not rows:
         Console(stderr=True).print("no runs recorded" + (" for that filter" if model or variant else ""))
+    elif plot:
+        from variantbench.report.pages import write_page
+        from variantbench.report.trends import render
+
+        try:
+            write_page(render(rows, str(where)), plot_out)
+        except OSError as exc:
+            _fail(f"cannot write {plot_out}: {exc.strerror or exc}")
+        Console(stderr=True).print(f"wrote {plot_out}")
 
 
 @app.command()

@@ -90,7 +90,23 @@ def _verdict(ratio: dict[str, Any], higher_is_better: bool) -> str:
     return "no significant change"
 
 
-def compare_runs(folder_a: Path, folder_b: Path, strict: bool = False) -> Comparison:
+def resolve(arg: str, history: Path | None = None) -> tuple[Path, str | None]:
+    """A run folder, or a history id (the folder and the variant recorded under that id)."""
+    if Path(arg).is_dir() or not arg.isdigit():
+        return Path(arg), None
+    from variantbench.history import History
+
+    with History(history) as h:
+        row = h.get(int(arg))
+    if row is None:
+        raise UserError(f"{arg} is neither a run folder nor an id in the history ({history or 'default'})")
+    return Path(row["folder"]), row["variant"]
+
+
+def compare_runs(folder_a: Path, folder_b: Path, strict: bool = False, variant_a: str | None = None,
+                 variant_b: str | None = None) -> Comparison:  # fmt: skip
+    """B against A for every variant both measured, or for the one variant each names (history ids:
+    then the two may differ, e.g. yesterday's fp32 against today's int8)."""
     report_a, log_a = load_run(folder_a)
     report_b, log_b = load_run(folder_b)
     machine_a, machine_b = _machine(report_a), _machine(report_b)
@@ -101,7 +117,11 @@ def compare_runs(folder_a: Path, folder_b: Path, strict: bool = False) -> Compar
                         "compare without --strict to see the numbers anyway")  # fmt: skip
     changes: list[MetricChange] = []
     for run_b in report_b.runs:
-        run_a = report_a.run(run_b.variant)
+        if variant_b is not None and run_b.variant != variant_b:
+            continue
+        if variant_a is not None and variant_b is None and run_b.variant != variant_a:
+            continue
+        run_a = report_a.run(variant_a or run_b.variant)
         if run_a is None or run_a.status != "ok" or run_b.status != "ok":
             continue
         ok_a = [r for r in log_a if r.variant == run_a.variant and r.status == "ok"]
@@ -144,10 +164,12 @@ def compare_runs(folder_a: Path, folder_b: Path, strict: bool = False) -> Compar
             verdict = (
                 _verdict(r, higher) if metric != "quality" else ("n/a" if r["value"] is None else "point")
             )
-            changes.append(MetricChange(run_b.variant, metric, r["value"], r["ci_low"], r["ci_high"], len(matched),
+            label = run_b.variant if run_a.variant == run_b.variant else f"{run_b.variant} vs {run_a.variant}"
+            changes.append(MetricChange(label, metric, r["value"], r["ci_low"], r["ci_high"], len(matched),
                                         verdict))  # fmt: skip
     if not changes:
-        raise UserError(f"no variant measured in both {folder_a} and {folder_b}")
+        which = f" ({variant_a or variant_b} vs {variant_b or variant_a})" if variant_a or variant_b else ""
+        raise UserError(f"no variant measured in both {folder_a} and {folder_b}{which}")
     return Comparison(str(folder_a), str(folder_b), differs, machine_a, machine_b, changes)
 
 

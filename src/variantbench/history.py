@@ -237,6 +237,10 @@ class History:
             raise
         return ids
 
+    def get(self, run_id: int) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return None if row is None else {**dict(row), "metrics": json.loads(row["metrics"])}
+
     def rows(
         self, model: str | None = None, variant: str | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:

@@ -10,8 +10,6 @@ renderer, so ``variantbench report DIR`` rewrites it, and a partial run's page s
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import cache
-import html
 import json
 from pathlib import Path
 from typing import Any
@@ -20,36 +18,10 @@ import yaml
 
 from variantbench.records import QueryRecord
 from variantbench.report.charts import Chart, Inputs, all_charts
+from variantbench.report.pages import e as _e
+from variantbench.report.pages import figure, page, write_page
+from variantbench.report.pages import table as _table
 from variantbench.report.schema import Report, RunReport
-
-STYLE = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #1b1b1b;
-       background: #fafafa; }
-main { max-width: 1200px; margin: 0 auto; padding: 16px 24px 48px; }
-h1 { font-size: 1.5em; margin: 0.4em 0 0.1em; } h2 { font-size: 1.2em; margin: 1.6em 0 0.3em; }
-.meta { color: #555; font-size: 0.9em; }
-table { border-collapse: collapse; width: 100%; font-size: 0.88em; background: white; }
-th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.caption { color: #444; margin: 0 0 6px; font-size: 0.92em; }
-.missing, .notice { background: #fff4e5; border-left: 4px solid #f0a020; padding: 6px 10px; }
-.notice.bad { background: #fdecea; border-color: #d62728; }
-section.chart { background: white; border: 1px solid #e3e3e3; border-radius: 6px; padding: 8px 12px;
-                margin: 14px 0; }
-.deploy { font-weight: 600; } pre { background: white; border: 1px solid #ddd; padding: 8px;
-overflow-x: auto; font-size: 0.82em; } details { margin: 4px 0; }
-"""
-
-
-@cache
-def plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
-
-    return get_plotlyjs()
-
-
-def _e(value: Any) -> str:
-    return html.escape("-" if value is None else str(value))
 
 
 def _num(value: float | None, fmt: str = ",.1f") -> str:
@@ -62,16 +34,6 @@ def _interval(value: float | None, low: float | None, high: float | None, fmt: s
     if low is None or high is None:
         return format(value, fmt)
     return f"{value:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
-
-
-def _table(header: list[str], rows: Iterable[list[str]], numeric_from: int = 1) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = []
-    for row in rows:
-        cells = "".join(f'<td class="num">{c}</td>' if i >= numeric_from else f"<td>{c}</td>"
-                        for i, c in enumerate(row))  # fmt: skip
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def notices(report: Report, raws: list[dict[str, Any]]) -> list[tuple[str, bool]]:
@@ -142,9 +104,7 @@ def _chart(chart: Chart) -> str:
     head = f'<section class="chart" id="{chart.key}"><h2>{_e(chart.title)}</h2><p class="caption">{_e(chart.caption)}</p>'
     if chart.figure is None:
         return head + f'<p class="missing">Not drawn: {_e(chart.missing)}</p></section>'
-    div = chart.figure.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{chart.key}",
-                               config={"responsive": True, "displaylogo": False})  # fmt: skip
-    return head + div + "</section>"
+    return head + figure(chart.figure, chart.key) + "</section>"
 
 
 def _environment(report: Report) -> str:
@@ -160,10 +120,6 @@ def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, 
     charts = all_charts(Inputs.of(report, records, raws))
     model = report.model.get("name") or report.model.get("source") or "model"
     parts = [
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>variantbench: {_e(model)}</title><style>{STYLE}</style>",
-        f"<script type='text/javascript'>{plotly_js()}</script></head><body><main>",
         f"<h1>Which variant of {_e(model)} to deploy</h1>",
         f"<p class='meta'>variantbench {_e(report.tool_version)} · {_e(report.created_utc)} · standard "
         f"<b>{_e(report.standard)}</b> · variants {_e(', '.join(r.variant for r in report.runs) or 'none')} · "
@@ -183,15 +139,11 @@ def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, 
               f"<p class='caption'>{'Interleaved' if execution.get('interleaved') else 'One variant after another'}"
               f"{': ' + _e(execution.get('why_not')) if execution.get('why_not') else ''}.</p>",
               "<h3>Environment</h3>", _environment(report),
-              "<h3>Plan</h3>", f"<pre>{_e(yaml.safe_dump(report.plan, sort_keys=False))}</pre>",
-              "</main></body></html>"]  # fmt: skip
-    return "\n".join(parts)
+              "<h3>Plan</h3>", f"<pre>{_e(yaml.safe_dump(report.plan, sort_keys=False))}</pre>"]  # fmt: skip
+    return page(f"variantbench: {model}", parts)
 
 
 def write_html(
     report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]], path: Path
 ) -> None:
-    """Atomically, like report.json: a crash mid-write never leaves half a page."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(render(report, records, raws), encoding="utf-8")
-    tmp.replace(path)
+    write_page(render(report, records, raws), path)
