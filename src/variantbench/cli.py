@@ -343,6 +343,72 @@ def history(
 
 
 @app.command()
+def monitor(
+    url: Annotated[str, typer.Argument(help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")],
+    model: Annotated[
+        str | None, typer.Option(help="the served model's name (default: the server's first)")
+    ] = None,
+    every: Annotated[float, typer.Option(help="seconds from one probe's start to the next's")] = 60.0,
+    probes: Annotated[
+        int | None, typer.Option(help="stop after this many probes (default: until Ctrl-C)")
+    ] = None,
+    probe: Annotated[
+        Path | None, typer.Option(help="a plan file for the probe (default: 6 fixed samples, 16 tokens)")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="monitor.jsonl and the probes' run folders")] = Path(
+        "variantbench-monitor"
+    ),
+    threshold: Annotated[
+        str,
+        typer.Option(
+            help="the smallest shift to alert on, per metric: p99_ms, ttft_p99_ms, "
+            "tokens_per_s (relative), quality (absolute drop, points of 100)"
+        ),
+    ] = "p99_ms=20%,ttft_p99_ms=20%,tokens_per_s=15%,quality=2%",
+    baseline: Annotated[int, typer.Option(help="probes that set the baseline level before any alert")] = 5,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve the monitor's own /metrics on 127.0.0.1:PORT")
+    ] = None,
+    history: Annotated[
+        Path | None, typer.Option("--history", help="the history file (default: <cache>/history.db)")
+    ] = None,
+    record_history: Annotated[
+        bool, typer.Option("--record-history/--no-history", help="record every probe")
+    ] = True,
+    api: Annotated[str | None, typer.Option(help="completions or chat (default: the probe plan's)")] = None,
+) -> None:
+    """Watch a live OpenAI-compatible server: a small probe run every --every seconds, its /metrics
+    scraped, and a change-point detector (CUSUM) per metric that prints an ALERT line when one shifts."""
+    from variantbench.compare import parse_thresholds
+    from variantbench.monitor.detect import DIRECTIONS
+    from variantbench.monitor.watch import Monitor, MonitorSettings
+
+    if every <= 0 or (probes is not None and probes < 1) or baseline < 2:
+        _fail("--every must be positive, --probes at least 1 and --baseline at least 2")
+    if probe is not None and not probe.is_file():
+        _fail(f"probe plan not found: {probe}")
+    try:
+        limits = parse_thresholds(threshold, known=DIRECTIONS, option="--threshold")
+        mon = Monitor(MonitorSettings(url=url, model=model, out=out, every_s=every, probes=probes, probe_file=probe,
+                                      thresholds=limits, baseline_probes=baseline, history=history,
+                                      record_history=record_history, metrics_port=metrics_port, api=api))  # fmt: skip
+    except (UserError, OSError) as exc:
+        _fail(str(exc))
+        return
+    console = Console(stderr=True)
+    if mon.exporter.port is not None:
+        console.print(f"the monitor's /metrics: http://127.0.0.1:{mon.exporter.port}/metrics")
+    console.print(
+        f"watching {url} every {every:g} s; the first {baseline} probes set the baseline; log: {mon.log}"
+    )
+    try:
+        alerts = mon.watch()
+    except KeyboardInterrupt:
+        alerts = mon.alerts
+    console.print(f"{len(alerts)} alert(s) over the watch; every probe is in {mon.log}")
+
+
+@app.command()
 def selftest(
     queries: Annotated[int, typer.Option(help="in-process queries through the null system")] = 200_000,
     seconds: Annotated[float, typer.Option(help="seconds per HTTP rate step")] = 3.0,

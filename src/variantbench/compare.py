@@ -15,6 +15,7 @@ never fails a build.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 import json
 from pathlib import Path
@@ -173,21 +174,22 @@ def compare_runs(folder_a: Path, folder_b: Path, strict: bool = False, variant_a
     return Comparison(str(folder_a), str(folder_b), differs, machine_a, machine_b, changes)
 
 
-def parse_thresholds(text: str) -> dict[str, float]:
-    """``p99=5%,tokens_per_s=5%,quality=1%`` -> {metric: 0.05, ...}; one-line errors."""
+def parse_thresholds(
+    text: str, known: Iterable[str] = METRICS, option: str = "--max-regression"
+) -> dict[str, float]:
+    """``p99=5%,tokens_per_s=5%,quality=1%`` -> {metric: 0.05, ...}; one-line errors naming ``option``."""
+    names = list(known)
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
-        if not eq or name not in METRICS:
-            raise UserError(
-                f"--max-regression: {part!r}; use METRIC=PCT% with METRIC one of {', '.join(METRICS)}"
-            )
+        if not eq or name not in names:
+            raise UserError(f"{option}: {part!r}; use METRIC=PCT% with METRIC one of {', '.join(names)}")
         try:
             pct = float(value.rstrip("%"))
         except ValueError:
-            raise UserError(f"--max-regression: {value!r} is not a percentage") from None
+            raise UserError(f"{option}: {value!r} is not a percentage") from None
         if pct < 0:
-            raise UserError(f"--max-regression: {name} threshold must not be negative")
+            raise UserError(f"{option}: {name} threshold must not be negative")
         out[name] = pct / 100
     return out
 

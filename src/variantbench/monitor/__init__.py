@@ -1,0 +1,1 @@
+"""Continuous monitoring of a live server: probes, its /metrics, change-point alerts."""
