@@ -6,6 +6,8 @@ random. Session-scoped so every test reuses the same folders.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,43 @@ def browser():  # noqa: ANN201 - a playwright Browser
         b = p.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
         yield b
         b.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(model_dir: Path, variants: str = "fp32") -> Iterator[str]:
+    """``variantbench serve`` in a process of its own on 127.0.0.1 (a real server, its own CPU time);
+    yields its OpenAI base URL once /v1/models answers."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "variantbench", "serve", "--model", str(model_dir),
+                             "--variants", variants, "--port", str(port), "--max-len", "512"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/models", timeout=1).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(
+                        f"the server did not start: {proc.stderr.read()[-2000:] if proc.poll() is not None else 'timeout'}"
+                    )
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

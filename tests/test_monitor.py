@@ -10,12 +10,12 @@ import json
 import os
 from pathlib import Path
 import random
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from conftest import free_port, served
 import pytest
 
 from variantbench.monitor.detect import Cusum, detectors
@@ -23,31 +23,10 @@ from variantbench.monitor.detect import Cusum, detectors
 PROBES, INJECT_AFTER, DETECT_WITHIN = 12, 7, 2  # baseline: probes 2-6 (the first warms up)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "variantbench", "serve", "--model", str(tiny_model_dir),
-                             "--variants", "fp32", "--port", str(port), "--max-len", "512"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/models", timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(f"the server did not start: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with served(tiny_model_dir) as url:
+        yield url
 
 
 def _watch(
@@ -55,7 +34,7 @@ def _watch(
 ) -> tuple[list[dict], str, str]:
     """A watch of PROBES probes, one a second; busy processes on every core after ``inject_after``.
     Returns the monitor's log, its console, and its own /metrics read once an alert is logged."""
-    port = _free_port()
+    port = free_port()
     mon = subprocess.Popen([sys.executable, "-m", "variantbench", "monitor", url, "--every", "1", "--probes",
                             str(PROBES), "--out", str(out), "--history", str(history), "--metrics-port", str(port)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -109,12 +88,12 @@ def test_a_slowdown_injected_mid_watch_is_caught_within_two_probes(server: str, 
     first = min(latency, key=lambda a: a["probe"])
     # the busy processes start once probe INJECT_AFTER is logged: probe INJECT_AFTER + 1 is the first slowed
     assert INJECT_AFTER + 1 <= first["probe"] <= INJECT_AFTER + DETECT_WITHIN, console
-    assert first["started_probe"] >= INJECT_AFTER - 1, first  # dated to the change, not to the baseline
-    assert first["change"] > 0.2 if first["metric"] == "p99_ms" else first["change"] < -0.15
+    assert first["started_probe"] >= INJECT_AFTER - 1, console  # dated to the change, not to the baseline
+    assert (first["change"] > 0.2 if first["metric"] == "p99_ms" else first["change"] < -0.15), console
     assert f"ALERT {first['metric']}" in console
-    assert not [a for a in alerts if a["probe"] <= INJECT_AFTER]  # nothing before the slowdown
+    assert not [a for a in alerts if a["probe"] <= INJECT_AFTER], console  # nothing before the slowdown
     # the monitor's own /metrics counts it
-    assert f'variantbench_monitor_alerts_total{{metric="{first["metric"]}"}} 1.0' in exported, exported
+    assert f'variantbench_monitor_alerts_total{{metric="{first["metric"]}"}} 1.0' in exported, (exported, console)
 
 
 def test_the_detector_stays_quiet_on_a_long_noisy_series_and_catches_shifts() -> None:
@@ -146,7 +125,7 @@ def test_bad_arguments_are_one_line_and_an_unreachable_server_is_reported(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "variantbench", "monitor", "http://127.0.0.1:9/v1", "--every", "0"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "--every must be positive" in bad.stderr and "Traceback" not in bad.stderr
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     gone = subprocess.run([sys.executable, "-m", "variantbench", "monitor", f"http://127.0.0.1:{port}/v1", "--every",
                            "0.1", "--probes", "3", "--out", str(tmp_path / "gone"), "--no-history"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})  # fmt: skip

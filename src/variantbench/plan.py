@@ -17,6 +17,7 @@ The load pattern is a tagged union on ``load.scenario``: each scenario carries i
 from __future__ import annotations
 
 from pathlib import Path
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
@@ -270,6 +271,28 @@ class OutputPlan(_Section):
     record_history: bool = Field(True, description="record this run in the history (--no-history: do not)")
 
 
+ENDPOINT_VARIANT = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)=(?P<url>https?://[^#\s]+)(?:#(?P<model>.+))?$")
+
+
+class EndpointPlan(_Section):
+    """A served model measured as a variant: ``name=URL#model`` on the command line, or in full here."""
+
+    url: str = Field(description="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str | None = Field(None, description="the served model's name (default: the server's first)")
+    api: Literal["completions", "chat"] = Field("completions", description="completions or chat")
+    api_key_env: str | None = Field(None, description="environment variable holding the API key (sent as a Bearer token; the key itself never enters plan.yaml)")  # fmt: skip
+    headers: dict[str, str] = Field(default_factory=dict, description="extra HTTP headers; a value '$NAME' is read from the environment at run time")  # fmt: skip
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="fields merged into every request body (e.g. top_k, ignore_eos)")  # fmt: skip
+    timeout_s: float = Field(120.0, gt=0, description="per-request timeout (s)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"an endpoint must be an http(s) URL, got {value!r}")
+        return value
+
+
 class Plan(_Section):
     """Everything a run needs, every default spelled out. ``Plan()`` is the default comparison."""
 
@@ -292,6 +315,29 @@ class Plan(_Section):
     decision: DecisionPlan = DecisionPlan()
     execution: ExecutionPlan = ExecutionPlan()
     output: OutputPlan = OutputPlan()
+    endpoints: dict[str, EndpointPlan] = Field(default_factory=dict, description="served variants by name: url, model, api, api_key_env, headers, extra_body (variants NAME=URL#MODEL land here)")  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_variants(cls, data: Any) -> Any:
+        """``name=URL#model`` in the variants becomes ``name`` plus ``endpoints[name]`` (a plan file's
+        entry for that name keeps its other keys: key, headers, body)."""
+        if not isinstance(data, dict) or data.get("variants") is None:
+            return data
+        variants = cls._split(data["variants"])
+        if not isinstance(variants, tuple):
+            return data
+        endpoints = dict(data.get("endpoints") or {})
+        names = []
+        for v in variants:
+            m = ENDPOINT_VARIANT.match(v)
+            if m is None:
+                names.append(v)
+                continue
+            given = {k: x for k, x in (("url", m["url"]), ("model", m["model"])) if x}
+            endpoints[m["name"]] = {**dict(endpoints.get(m["name"]) or {}), **given}
+            names.append(m["name"])
+        return {**data, "variants": tuple(names), **({"endpoints": endpoints} if endpoints else {})}
 
     @field_validator("variants", mode="before")
     @classmethod
@@ -316,6 +362,15 @@ class Plan(_Section):
     def _consistent(self) -> Plan:
         if self.standard is not None and self.standard not in self.variants:
             raise ValueError(f"standard {self.standard!r} is not among the variants")
+        served = [v for v in self.variants if v in self.endpoints]
+        if served and len(served) != len(self.variants):
+            local = [v for v in self.variants if v not in self.endpoints]
+            raise ValueError(f"{', '.join(served)} {'is' if len(served) == 1 else 'are'} served (NAME=URL) and "
+                             f"{', '.join(local)} local: a run compares served variants or local ones, not both")  # fmt: skip
+        if served and self.model.endpoint:
+            raise ValueError(
+                "model.endpoint measures one server; with served variants (NAME=URL) leave it unset"
+            )
         if isinstance(self.load, Server) and self.load.find_peak:
             if not self.targets.latency_ms:
                 raise ValueError("load.find_peak needs targets.latency_ms (the target the peak must meet)")
@@ -338,6 +393,11 @@ class Plan(_Section):
     @property
     def min_queries(self) -> int:
         return self.limits.min_queries or self.load.tasks
+
+    @property
+    def served(self) -> bool:
+        """The variants are served models (endpoints), measured over HTTP."""
+        return bool(self.model.endpoint) or any(v in self.endpoints for v in self.variants)
 
     @property
     def is_timed(self) -> bool:

@@ -44,6 +44,9 @@ class OpenAIBackend:
         timeout_s: float = 120.0,
         max_connections: int = 256,
         name: str | None = None,
+        api_key: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> None:
         if api not in APIS:
             raise UserError(f"unknown API {api!r}; known: {', '.join(APIS)}")
@@ -56,6 +59,9 @@ class OpenAIBackend:
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self.name = name or model or "endpoint"
+        # sent with every request, /v1/models included: a gateway or a hosted API checks them all
+        self.headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.extra_body = dict(extra_body or {})  # merged over ours: the user's word wins
         self._client: aiohttp.ClientSession | None = None
         self._info: dict[str, Any] = {}
 
@@ -68,7 +74,9 @@ class OpenAIBackend:
 
     def load(self) -> LoadInfo:
         t0 = time.perf_counter_ns()
-        request = urllib.request.Request(f"{self.base_url}/v1/models", headers={"Accept": "application/json"})
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/models", headers={"Accept": "application/json", **self.headers}
+        )
         try:
             with urllib.request.urlopen(request, timeout=min(self.timeout_s, 10.0)) as resp:  # noqa: S310 - user URL
                 raw = resp.read()
@@ -102,7 +110,11 @@ class OpenAIBackend:
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10.0)
         return aiohttp.ClientSession(
-            base_url=self.base_url, connector=connector, timeout=timeout, read_bufsize=READ_BUFFER_BYTES
+            base_url=self.base_url,
+            connector=connector,
+            timeout=timeout,
+            read_bufsize=READ_BUFFER_BYTES,
+            headers={**JSON_HEADERS, **self.headers},
         )
 
     async def astart(self) -> None:
@@ -129,9 +141,9 @@ class OpenAIBackend:
         if self.api == "chat" or req.messages:
             messages = list(req.messages) if req.messages else [{"role": "user", "content": req.prompt or ""}]
             body["messages"] = messages
-            return "/v1/chat/completions", body
+            return "/v1/chat/completions", {**body, **self.extra_body}
         body["prompt"] = req.prompt or ""
-        return "/v1/completions", body
+        return "/v1/completions", {**body, **self.extra_body}
 
     async def agenerate(
         self, req: GenerationRequest, client: aiohttp.ClientSession | None = None
@@ -148,7 +160,7 @@ class OpenAIBackend:
         usage: dict[str, Any] | None = None
         try:
             # the body encoded here, once: aiohttp's JSON payload would encode it on the loop's turn
-            async with client.post(path, data=json.dumps(body).encode(), headers=JSON_HEADERS) as resp:
+            async with client.post(path, data=json.dumps(body).encode()) as resp:
                 if resp.status != 200:
                     detail = (await resp.content.read(200)).decode("utf-8", "replace").strip()
                     return _error(req, start, f"HTTP {resp.status}: {detail}")

@@ -47,10 +47,21 @@ class BuildJob:
 
 @dataclass(frozen=True)
 class Endpoint:
+    """A served variant's address and options, its secrets already read from the environment."""
+
     url: str
     model: str | None = None
     api: str = "completions"
     timeout_s: float = 120.0
+    api_key: str | None = field(default=None, repr=False)
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    extra_body: tuple[tuple[str, Any], ...] = ()
+
+    def backend(self, name: str | None = None) -> Any:
+        from variantbench.backends.openai_http import OpenAIBackend
+
+        return OpenAIBackend(self.url, model=self.model, api=self.api, timeout_s=self.timeout_s, name=name,
+                             api_key=self.api_key, headers=dict(self.headers), extra_body=dict(self.extra_body))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,10 +94,7 @@ class MeasureJob:
 
     def backend(self) -> Any:
         if self.endpoint is not None:
-            from variantbench.backends.openai_http import OpenAIBackend
-
-            e = self.endpoint
-            return OpenAIBackend(e.url, model=e.model, api=e.api, timeout_s=e.timeout_s)
+            return self.endpoint.backend(self.variant)
         from variantbench.backends.registry import make_backend
 
         assert self.spec is not None

@@ -200,8 +200,17 @@ class VariantSession:
                 "startup_warm_s": load.startup_s,
                 "disk_bytes": _disk_bytes(build),
                 "build_s": build.build_s if build is not None else None,
-            },
+            }
+            | (SERVED_RESOURCES if job.endpoint is not None else {}),
         }
+
+
+# a served variant's memory, CPU and energy are the server's: this process only sends and reads
+SERVED_RESOURCES: dict[str, Any] = {
+    "load_peak_rss_bytes": None, "peak_rss_bytes": None, "mean_rss_bytes": None, "mean_cpu_util": None,
+    "cpu_s": None, "energy_j": None, "energy_source": "n/a (served: the server's resources are not visible)",
+    "watts_per_core": None, "param_bytes": None,
+}  # fmt: skip
 
 
 def _disk_bytes(artifact: Any) -> int | None:

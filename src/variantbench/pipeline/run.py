@@ -52,9 +52,52 @@ def check_writable(out: Path) -> None:
         raise UserError(f"output folder is not writable: {out} ({exc.strerror or exc})") from None
 
 
+def served_endpoints(plan: Plan) -> dict[str, Endpoint]:
+    """The served variants by name, each server asked for its models (``/v1/models``): unreachable,
+    garbage or a missing API key is one line here, before anything is measured. ``model.endpoint``
+    (one server) names its variant after the served model."""
+    import os
+
+    from variantbench.backends.openai_http import OpenAIBackend
+
+    m = plan.model
+    if m.endpoint:
+        probe = OpenAIBackend(m.endpoint, model=m.endpoint_model, api=m.api, timeout_s=m.request_timeout_s)
+        probe.load()
+        name = probe.model or "endpoint"
+        return {name: Endpoint(m.endpoint, model=name, api=m.api, timeout_s=m.request_timeout_s)}
+    out: dict[str, Endpoint] = {}
+    for name in plan.ordered_variants():
+        e = plan.endpoints.get(name)
+        if e is None:
+            continue
+        key = None
+        if e.api_key_env:
+            key = os.environ.get(e.api_key_env)
+            if not key:
+                raise UserError(
+                    f"endpoints.{name}.api_key_env: the environment variable {e.api_key_env} is not set"
+                )
+        headers = []
+        for header, value in e.headers.items():
+            if value.startswith("$"):
+                if value[1:] not in os.environ:
+                    raise UserError(
+                        f"endpoints.{name}.headers.{header}: the environment variable {value[1:]} is not set"
+                    )
+                value = os.environ[value[1:]]
+            headers.append((header, value))
+        endpoint = Endpoint(e.url, model=e.model, api=e.api, timeout_s=e.timeout_s, api_key=key,
+                            headers=tuple(headers), extra_body=tuple(e.extra_body.items()))  # fmt: skip
+        probe = endpoint.backend(name)
+        probe.load()
+        out[name] = replace(endpoint, model=probe.model)
+    return out
+
+
 def parse_variants(plan: Plan) -> dict[str, VariantSpec]:
     """Every variant of the plan parsed once; an unknown kind or a bad chain is one line, before anything runs."""
-    if plan.model.endpoint:
+    if plan.served:
         return {}
     return {name: VariantSpec.parse(name) for name in plan.ordered_variants()}
 
@@ -96,7 +139,7 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     console = console or Console(stderr=True)
     out = plan.out
     check_writable(out)
-    if not plan.model.endpoint:
+    if not plan.served:
         require("local", "a local model (model.source)")
         spec = parse_model(plan.model.source)  # a bad path fails here, before anything slow
     specs = parse_variants(plan)
@@ -105,15 +148,11 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     checked = _load_file(plan, console) if plan.workload.file else None
     if plan.quality.fidelity_text is not None and not plan.quality.fidelity_text.is_file():
         raise UserError(f"fidelity text not found: {plan.quality.fidelity_text}")
-    endpoint = None
-    if plan.model.endpoint:
-        from variantbench.backends.openai_http import OpenAIBackend
-
-        m = plan.model
-        probe = OpenAIBackend(m.endpoint, model=m.endpoint_model, api=m.api, timeout_s=m.request_timeout_s)
-        probe.load()  # unreachable or garbage: one clear line, before any measurement
-        spec = ModelSpec(kind="endpoint", path=m.endpoint, name=probe.model or "endpoint")
-        endpoint = Endpoint(m.endpoint, model=spec.name, api=m.api, timeout_s=m.request_timeout_s)
+    endpoints = served_endpoints(plan)  # every server probed: unreachable is one line, before any measurement
+    if endpoints:
+        models = list(dict.fromkeys(e.model or "endpoint" for e in endpoints.values()))
+        urls = ", ".join(dict.fromkeys(e.url for e in endpoints.values()))
+        spec = ModelSpec(kind="endpoint", path=urls, name=" / ".join(models))
         base_dir = ""
     else:
         say = lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True)  # noqa: E731
@@ -127,10 +166,10 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         tool_version=__version__,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         model={"name": spec.name, "kind": spec.kind, "source": spec.path, "hf_dir": base_dir or None},
-        standard=spec.name if endpoint else plan.standard_variant,
+        standard=next(iter(endpoints)) if plan.model.endpoint else plan.standard_variant,
         plan=plan.model_dump(mode="json"),
         workload=library.describe(),
-        environment=describe_environment(torch_details=endpoint is None),
+        environment=describe_environment(torch_details=not endpoints),
     )
     log_path = out / "queries.jsonl"
     log_path.write_text("")  # the folder holds one run: a fresh log
@@ -138,15 +177,15 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     raw_dir.mkdir(exist_ok=True)
     for old in raw_dir.glob("*.json"):
         old.unlink()
-    order = [spec.name] if endpoint else list(plan.ordered_variants())
+    order = list(endpoints) if plan.model.endpoint else list(plan.ordered_variants())
     fidelity = None
-    if plan.quality.fidelity and not endpoint:
+    if plan.quality.fidelity and not endpoints:
         from variantbench.metrics.fidelity import FidelitySpec
 
         text = plan.quality.fidelity_text
         fidelity = FidelitySpec(text_path=str(text) if text else None, cache_dir=str(cache_root() / "fidelity"),
                                 model_key=base_dir)  # fmt: skip
-    analyze = endpoint is None and plan.is_timed  # an untimed pass has no speed to explain
+    analyze = not endpoints and plan.is_timed  # an untimed pass has no speed to explain; a server no weights
     counters = ""
     if plan.analysis.diagnose and analyze:
         from variantbench.analysis.ceilings import probe as probe_ceilings
@@ -159,20 +198,20 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         header.ceilings["cache_counters"] = counters
     header.write(out / "report.json")
     # an endpoint is measured from this process: nothing is loaded here
-    executor: Executor = InlineExecutor() if endpoint else EXECUTORS[plan.execution.executor]()
+    executor: Executor = InlineExecutor() if endpoints else EXECUTORS[plan.execution.executor]()
     find_peak = bool(getattr(plan.load, "find_peak", False)) and plan.is_timed
-    interleave = (plan.execution.interleave and endpoint is None and len(order) > 1 and not find_peak
+    interleave = (plan.execution.interleave and not endpoints and len(order) > 1 and not find_peak
                   and isinstance(executor, Resident))  # fmt: skip
     header.execution = {
         "interleaved": interleave,
         "why_not": None if interleave or len(order) < 2 else
         ("find-peak searches each variant's rate alone" if find_peak else
-         "an endpoint run has one variant" if endpoint else "execution.interleave is off"),
+         "served variants are measured one after another" if endpoints else "execution.interleave is off"),
     }  # fmt: skip
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)  # fmt: skip
     ctx = _RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
-                      log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoint=endpoint,
+                      log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
                       fidelity=fidelity, analyze=analyze, counters=counters, find_peak=find_peak)  # fmt: skip
     with progress:
         if interleave:
@@ -216,7 +255,7 @@ class _RunContext:
     raw_dir: Path
     run_id: str
     executor: Executor
-    endpoint: Endpoint | None
+    endpoints: dict[str, Endpoint]  # served variants by name ({} for local ones)
     fidelity: Any
     analyze: bool
     counters: str
@@ -230,11 +269,11 @@ class _RunContext:
         return MeasureJob(
             variant=variant, workload=self.library, log_path=str(self.log_path),
             load=load_settings(plan, rid, len(self.library)), spec=self.specs.get(variant), artifact=artifact,
-            base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoint,
+            base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoints.get(variant),
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
             diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
-            batch_rounds=plan.analysis.batch_rounds if self.analyze and self.endpoint is None else 0,
+            batch_rounds=plan.analysis.batch_rounds if self.analyze else 0,
         )  # fmt: skip
 
     def cold_start(
