@@ -38,9 +38,15 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
         # what needs the weights, or the server's own process, is not claimed for a served model
         assert run["diagnosis"] is None and run["quality"]["kl_mean"] is None
         assert run["resources"]["peak_rss_bytes"] is None and "served" in run["resources"]["energy_source"]
-    assert {run["backend"]["endpoint"] for run in (full, small)} == {a.removesuffix("/v1"), b.removesuffix("/v1")}
+    assert {run["backend"]["endpoint"] for run in (full, small)} == {
+        a.removesuffix("/v1"),
+        b.removesuffix("/v1"),
+    }
     # the same samples answered by both: quality against the standard, a paired A/B
-    assert small["quality_vs_standard"]["standard"] == "full" and small["quality_vs_standard"]["gate"] in ("PASS", "FAIL")
+    assert small["quality_vs_standard"]["standard"] == "full" and small["quality_vs_standard"]["gate"] in (
+        "PASS",
+        "FAIL",
+    )
     assert small["ab_vs_standard"]["paired"] is True and small["ab_vs_standard"]["pairs"] == 6
     assert report["recommendations"]["latency"]["variant"] in ("full", "small")
     edge = report["recommendations"]["edge"]["reasons"]
@@ -51,7 +57,9 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
     assert "endpoints:" in plan and f"url: {a}" in plan and "model: int8" in plan
 
 
-def test_api_key_headers_and_extra_body_reach_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_key_headers_and_extra_body_reach_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from variantbench.loadgen.noop_server import ThreadServer, make_app
     from variantbench.pipeline.run import execute
     from variantbench.plan import Plan
@@ -88,12 +96,14 @@ def test_api_key_headers_and_extra_body_reach_the_server(tmp_path: Path, monkeyp
     assert [h["path"] for h, _ in seen][0] == "/v1/models"
     generations = [(h, json.loads(b)) for h, b in seen if h["path"] != "/v1/models"]
     assert len(generations) >= 3
-    for headers, body in [(h, None) for h, _ in seen] + generations:
+    for headers, _ in seen:  # every request, /v1/models included
         assert headers["authorization"] == "Bearer sk-test-123"
         assert headers["x-tenant"] == "acme" and headers["x-plain"] == "yes"
     assert all(body["top_k"] == 1 and body["model"] == "noop" for _, body in generations)
     # the key itself never lands in the run's files
-    written = "".join(f.read_text() for f in (tmp_path / "out").glob("*.*") if f.suffix in (".yaml", ".json", ".md"))
+    written = "".join(
+        f.read_text() for f in (tmp_path / "out").glob("*.*") if f.suffix in (".yaml", ".json", ".md")
+    )
     assert "sk-test-123" not in written and "TEAM_KEY" in written
 
 
@@ -102,7 +112,9 @@ def test_served_and_local_variants_do_not_mix_and_a_missing_key_is_one_line(tmp_
                             "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert mixed.returncode == 2 and "a is served (NAME=URL) and fp32 local" in mixed.stderr
     plan = tmp_path / "p.yaml"
-    plan.write_text("variants: [gw]\nendpoints:\n  gw: {url: 'http://127.0.0.1:9/v1', api_key_env: NO_SUCH_KEY_VAR}\n")
+    plan.write_text(
+        "variants: [gw]\nendpoints:\n  gw: {url: 'http://127.0.0.1:9/v1', api_key_env: NO_SUCH_KEY_VAR}\n"
+    )
     missing = subprocess.run([sys.executable, "-m", "variantbench", "run", str(plan), "--out", str(tmp_path / "o")],
                              capture_output=True, text=True, timeout=120,
                              env={k: v for k, v in os.environ.items() if k != "NO_SUCH_KEY_VAR"})  # fmt: skip
