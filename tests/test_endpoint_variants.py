@@ -57,15 +57,11 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
     assert "endpoints:" in plan and f"url: {a}" in plan and "model: int8" in plan
 
 
-def test_api_key_headers_and_extra_body_reach_the_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from variantbench.loadgen.noop_server import ThreadServer, make_app
-    from variantbench.pipeline.run import execute
-    from variantbench.plan import Plan
+def _recording_app(seen: list[tuple[dict[str, str], bytes]], tokens: int = 4):  # noqa: ANN202
+    """The real no-op server's app, wrapped to keep every request's headers and body."""
+    from variantbench.loadgen.noop_server import make_app
 
-    seen: list[tuple[dict[str, str], bytes]] = []
-    inner = make_app(tokens=4)
+    inner = make_app(tokens=tokens)
 
     async def recording(scope, receive, send):  # noqa: ANN001, ANN202 - an ASGI wrapper around the real no-op app
         if scope["type"] != "http":
@@ -84,6 +80,18 @@ def test_api_key_headers_and_extra_body_reach_the_server(
         seen.append((headers | {"path": scope["path"]}, body))
         return await inner(scope, replay, send)
 
+    return recording
+
+
+def test_api_key_headers_and_extra_body_reach_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from variantbench.loadgen.noop_server import ThreadServer
+    from variantbench.pipeline.run import execute
+    from variantbench.plan import Plan
+
+    seen: list[tuple[dict[str, str], bytes]] = []
+    recording = _recording_app(seen)
     monkeypatch.setenv("TEAM_KEY", "sk-test-123")
     monkeypatch.setenv("TENANT", "acme")
     with ThreadServer(app=recording) as srv:
@@ -120,3 +128,64 @@ def test_served_and_local_variants_do_not_mix_and_a_missing_key_is_one_line(tmp_
                              env={k: v for k, v in os.environ.items() if k != "NO_SUCH_KEY_VAR"})  # fmt: skip
     assert missing.returncode == 2 and "the environment variable NO_SUCH_KEY_VAR is not set" in missing.stderr
     assert "Traceback" not in missing.stderr + mixed.stderr
+
+
+VLLM = ("--base-url http://127.0.0.1:8000 --endpoint /v1/chat/completions --model Qwen/x --request-rate 4 "
+        "--num-prompts 100 --dataset-name sharegpt --dataset-path data.json --percentile-metrics ttft,itl "
+        "--metric-percentiles 50,99.9 --goodput ttft:500 tpot:50 --ignore-eos --save-result --max-concurrency 8 "
+        "--burstiness 0.5 --seed 3")  # fmt: skip
+NATIVE = ("--endpoint http://127.0.0.1:8000 --api chat --endpoint-model Qwen/x --scenario server --rate 4 --tasks 100 "
+          "--workload data.json --set output.percentile_metrics=ttft,itl --set output.metric_percentiles=50,99.9 "
+          "--set targets.goodput_ms=ttft:500,tpot:50 --set workload.ignore_eos=true --set output.vllm_result=true "
+          "--max-concurrency 8 --burstiness 0.5 --seed 3")  # fmt: skip
+
+
+def test_vllm_bench_flags_make_the_same_plan_as_ours() -> None:
+    from variantbench.cli_args import parse_run_args
+    from variantbench.errors import UserError
+    from variantbench.plan_file import load_plan
+
+    vllm, native = (load_plan(None, parse_run_args(x.split()).overrides) for x in (VLLM, NATIVE))
+    assert vllm == native
+    assert vllm.load.scenario == "server" and vllm.load.rate_qps == 4 and vllm.model.api == "chat"
+    assert vllm.targets.goodput_ms == {"ttft": 500, "tpot": 50} and vllm.output.metric_percentiles == (
+        50,
+        99.9,
+    )
+    offline = load_plan(None, parse_run_args("--base-url http://h:1 --request-rate inf".split()).overrides)
+    assert offline.load.scenario == "offline"
+    with pytest.raises(UserError, match="--dataset-name sharegpt needs --dataset-path"):
+        parse_run_args("--base-url http://h:1 --dataset-name sharegpt".split())
+
+
+def test_a_sharegpt_file_through_vllm_style_flags_with_goodput_itl_and_a_vllm_result(tmp_path: Path) -> None:
+    from variantbench.loadgen.noop_server import ThreadServer
+
+    data = [{"id": f"c{i}", "conversations": [{"from": "system", "value": "be brief"},
+                                             {"from": "human", "value": f"Question number {i}?"},
+                                             {"from": "gpt", "value": f"Answer {i}."},
+                                             {"from": "human", "value": "and then?"}]} for i in range(5)]  # fmt: skip
+    (tmp_path / "sharegpt.json").write_text(json.dumps(data))
+    seen: list[tuple[dict[str, str], bytes]] = []
+    out = tmp_path / "out"
+    with ThreadServer(app=_recording_app(seen, tokens=6)) as srv:
+        proc = subprocess.run([sys.executable, "-m", "variantbench", "run", "--base-url", srv.url, "--endpoint",
+                               "/v1/completions", "--model", "noop", "--request-rate", "inf", "--num-prompts", "5",
+                               "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "sharegpt.json"),
+                               "--goodput", "ttft:5000", "e2el:10000", "--ignore-eos", "--save-result", "--no-history",
+                               "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bodies = [json.loads(b) for h, b in seen if h["path"] == "/v1/completions"]
+    assert {b["prompt"] for b in bodies} <= {f"Question number {i}?" for i in range(5)}
+    assert all(b["ignore_eos"] is True for b in bodies)
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    assert run["scenario"] == "offline" and run["queries"]["completed"] == 5
+    refs = {json.loads(x)["reference"] for x in (out / "queries.jsonl").read_text().splitlines()}
+    assert refs == {f"Answer {i}." for i in range(5)}  # the first model turn is the reference
+    assert run["itl_ms"]["p50"] is not None and set(run["percentiles"]) == {"ttft", "tpot", "itl", "e2el"}
+    assert run["goodput"]["slo_ms"] == {"ttft": 5000, "e2el": 10000} and run["goodput"]["met"] == 5
+    vllm = json.loads((out / "vllm_result.noop.json").read_text())
+    assert vllm["completed"] == 5 and vllm["request_rate"] == "inf" and vllm["model_id"] == "noop"
+    assert vllm["p99_itl_ms"] == pytest.approx(run["percentiles"]["itl"]["99"])
+    assert vllm["request_goodput"] == pytest.approx(run["goodput"]["requests_per_s"])
+    assert len(vllm["itls"]) == 5 and all(len(x) == 5 for x in vllm["itls"])

@@ -141,8 +141,119 @@ class RunArgs:
         return any(o == loc for o, _ in self.overrides)
 
 
+# vllm bench serve's flags -> ours (README: "Coming from vllm bench serve"); the same plan either way
+VLLM_FLAGS: dict[str, str] = {
+    "--base-url": "--endpoint (model.endpoint); then --endpoint is the API path and --model the served name",
+    "--endpoint": "with --base-url: the API path, /v1/chat/completions choosing --api chat",
+    "--model": "with --base-url: --endpoint-model (model.endpoint_model), the served model's name",
+    "--served-model-name": "--endpoint-model (model.endpoint_model)",
+    "--backend": "openai-chat: --api chat; vllm, openai and the other OpenAI-style backends: --api completions",
+    "--request-rate": "--scenario server --rate R (load.rate_qps); inf: --scenario offline (all at once)",
+    "--num-prompts": "--tasks (load.tasks)",
+    "--max-concurrency": "--max-concurrency (load.max_concurrency)",
+    "--burstiness": "--burstiness (load.burstiness)",
+    "--dataset-name": "random: the synthetic workload; sharegpt, jsonl, squad, cnndm: the file of --dataset-path",
+    "--dataset-path": "--workload (workload.file)",
+    "--random-input-len": "--input-lengths fixed:N (workload.input_lengths)",
+    "--random-output-len": "--max-new-tokens (workload.max_new_tokens)",
+    "--percentile-metrics": "output.percentile_metrics",
+    "--metric-percentiles": "output.metric_percentiles",
+    "--goodput": "targets.goodput_ms (NAME:MS pairs, space-separated as in vLLM)",
+    "--ignore-eos": "workload.ignore_eos",
+    "--save-result": "output.vllm_result (vllm_result.VARIANT.json with vLLM's field names)",
+    "--seed": "--seed (seeds.workload)",
+}
+_VLLM_ONLY = {"--base-url", "--served-model-name", "--backend", "--request-rate", "--num-prompts", "--dataset-name",
+              "--dataset-path", "--random-input-len", "--random-output-len", "--percentile-metrics",
+              "--metric-percentiles", "--goodput", "--ignore-eos", "--save-result"}  # fmt: skip
+DATASETS = ("random", "sharegpt", "jsonl", "squad", "cnndm")
+
+
+def translate_vllm(tokens: list[str]) -> list[str]:
+    """vllm bench serve's flags rewritten as ours (``VLLM_FLAGS``); a command line without any of
+    them is returned as it is. ``--endpoint`` and ``--model`` change meaning only with ``--base-url``."""
+    names = {t.partition("=")[0] for t in tokens if t.startswith("--")}
+    if not names & _VLLM_ONLY:
+        return tokens
+    vllm_style = "--base-url" in names
+    out: list[str] = []
+    i = 0
+
+    def take(flag: str) -> str:
+        nonlocal i
+        name, eq, inline = tokens[i].partition("=")
+        i += 1
+        if eq:
+            return inline
+        if i >= len(tokens):
+            raise UserError(f"{flag} needs a value")
+        i += 1
+        return tokens[i - 1]
+
+    dataset = None
+    while i < len(tokens):
+        name = tokens[i].partition("=")[0]
+        if name == "--base-url":
+            out += ["--endpoint", take(name)]
+        elif name == "--endpoint" and vllm_style:
+            path = take(name)
+            out += ["--api", "chat" if "chat" in path else "completions"]
+        elif name in ("--served-model-name",) or (name == "--model" and vllm_style):
+            out += ["--endpoint-model", take(name)]
+        elif name == "--backend":
+            out += ["--api", "chat" if take(name) == "openai-chat" else "completions"]
+        elif name == "--request-rate":
+            rate = take(name)
+            out += (
+                ["--scenario", "offline"]
+                if rate.lower() in ("inf", "infinity")
+                else ["--scenario", "server", "--rate", rate]
+            )
+        elif name == "--num-prompts":
+            out += ["--tasks", take(name)]
+        elif name == "--dataset-name":
+            dataset = take(name)
+            if dataset not in DATASETS:
+                raise UserError(f"--dataset-name {dataset!r}: known here: {', '.join(DATASETS)}")
+        elif name == "--dataset-path":
+            out += ["--workload", take(name)]
+        elif name == "--random-input-len":
+            out += ["--input-lengths", f"fixed:{take(name)}"]
+        elif name == "--random-output-len":
+            out += ["--max-new-tokens", take(name)]
+        elif name == "--percentile-metrics":
+            out += ["--set", f"output.percentile_metrics={take(name)}"]
+        elif name == "--metric-percentiles":
+            out += ["--set", f"output.metric_percentiles={take(name)}"]
+        elif name == "--goodput":
+            i += 1
+            slos = []
+            while i < len(tokens) and not tokens[i].startswith("--"):
+                slos.append(tokens[i])
+                i += 1
+            if not slos:
+                raise UserError("--goodput needs NAME:MS pairs, e.g. --goodput ttft:500 tpot:50")
+            out += ["--set", f"targets.goodput_ms={' '.join(slos)}"]
+        elif name == "--ignore-eos":
+            i += 1
+            out += ["--set", "workload.ignore_eos=true"]
+        elif name == "--save-result":
+            i += 1
+            out += ["--set", "output.vllm_result=true"]
+        else:
+            out.append(tokens[i])
+            i += 1
+    if dataset not in (None, "random") and "--dataset-path" not in names:
+        raise UserError(
+            f"--dataset-name {dataset} needs --dataset-path (a local file: no download at run time)"
+        )
+    return out
+
+
 def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs:
-    """``[PLAN.yaml] [--set k=v ...] [--flag value ...]`` -> the plan file and its overrides, in order."""
+    """``[PLAN.yaml] [--set k=v ...] [--flag value ...]`` -> the plan file and its overrides, in order;
+    vllm bench serve's flags are accepted too (``translate_vllm``)."""
+    tokens = translate_vllm(tokens)
     args = RunArgs()
     i = 0
     while i < len(tokens):

@@ -67,6 +67,8 @@ class WorkloadPlan(_Section):
     input_lengths: str = Field("uniform:128-1024", description="synthetic input tokens: uniform:LOW-HIGH | normal:MEAN,STD[,LOW-HIGH] | fixed:N")  # fmt: skip
     max_new_tokens: PositiveInt | None = Field(None, description="override the tasks' output token caps")
 
+    ignore_eos: bool = Field(False, description="served models: answers run to max_new_tokens past the end-of-text token (vLLM's --ignore-eos; sent as ignore_eos in the request body)")  # fmt: skip
+
     @field_validator("mix")
     @classmethod
     def _mix(cls, value: str | None) -> str | None:
@@ -166,12 +168,38 @@ class LimitsPlan(_Section):
         return self
 
 
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
 class TargetsPlan(_Section):
     latency_ms: float | None = Field(None, gt=0, description="PASS/FAIL latency target (ms)")
     ttft_ms: float | None = Field(None, gt=0, description="PASS/FAIL time-to-first-token target (ms)")
     tpot_ms: float | None = Field(None, gt=0, description="PASS/FAIL time-per-output-token target (ms)")
     percentile: float = Field(99.0, gt=0, lt=100, description="percentile the targets apply to, in (0,100)")
     window: PositiveInt = Field(50, description="queries per metrics window")
+    goodput_ms: dict[str, float] = Field(default_factory=dict, description="goodput SLOs per request (vLLM's --goodput): ttft, tpot, e2el in ms; goodput is the requests per second meeting all of them (default: the targets above)")  # fmt: skip
+
+    @field_validator("goodput_ms", mode="before")
+    @classmethod
+    def _goodput(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "ttft:500 tpot:50" or "ttft=500,tpot=50" from a flag
+            pairs = [p for p in re.split(r"[\s,]+", value.strip()) if p]
+            try:
+                value = {k: float(v) for k, v in (re.split(r"[:=]", p, maxsplit=1) for p in pairs)}
+            except ValueError:
+                raise ValueError(
+                    f"goodput SLOs are NAME:MS pairs (ttft:500 tpot:50 e2el:2000), got {value!r}"
+                ) from None
+        if isinstance(value, dict):
+            bad = sorted(set(value) - set(GOODPUT_METRICS))
+            if bad:
+                raise ValueError(
+                    f"unknown goodput metric {', '.join(bad)}; known: {', '.join(GOODPUT_METRICS)}"
+                )
+            if any(float(v) <= 0 for v in value.values()):
+                raise ValueError("goodput SLOs must be positive (ms)")
+        return value
 
 
 class SeedsPlan(_Section):
@@ -269,6 +297,29 @@ class OutputPlan(_Section):
     csv: bool = Field(False, description="also write queries.csv (report.csv is always written)")
     history: Path | None = Field(None, description="the results history (SQLite) this run is recorded in (default: <cache>/history.db)")  # fmt: skip
     record_history: bool = Field(True, description="record this run in the history (--no-history: do not)")
+    percentile_metrics: tuple[str, ...] = Field(PERCENTILE_METRICS, description="metrics whose percentiles every run reports: ttft, tpot, itl, e2el (vLLM's --percentile-metrics)")  # fmt: skip
+    metric_percentiles: tuple[float, ...] = Field((50.0, 90.0, 99.0), description="the percentiles reported for them (vLLM's --metric-percentiles)")  # fmt: skip
+    vllm_result: bool = Field(False, description="also write vllm_result.VARIANT.json with vllm bench serve's field names (--save-result)")  # fmt: skip
+
+    @field_validator("percentile_metrics", "metric_percentiles", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        return tuple(p for p in re.split(r"[\s,]+", value.strip()) if p) if isinstance(value, str) else value
+
+    @field_validator("percentile_metrics")
+    @classmethod
+    def _metrics(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [m for m in value if m not in PERCENTILE_METRICS]
+        if bad:
+            raise ValueError(f"unknown metric {', '.join(bad)}; known: {', '.join(PERCENTILE_METRICS)}")
+        return value
+
+    @field_validator("metric_percentiles")
+    @classmethod
+    def _percentiles(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if not value or any(not 0 < p <= 100 for p in value):
+            raise ValueError("percentiles lie in (0, 100]")
+        return value
 
 
 ENDPOINT_VARIANT = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)=(?P<url>https?://[^#\s]+)(?:#(?P<model>.+))?$")
@@ -367,6 +418,10 @@ class Plan(_Section):
             local = [v for v in self.variants if v not in self.endpoints]
             raise ValueError(f"{', '.join(served)} {'is' if len(served) == 1 else 'are'} served (NAME=URL) and "
                              f"{', '.join(local)} local: a run compares served variants or local ones, not both")  # fmt: skip
+        if self.workload.ignore_eos and not self.served:
+            raise ValueError(
+                "workload.ignore_eos applies to served models (an endpoint): a local variant stops at its end of text"
+            )
         if served and self.model.endpoint:
             raise ValueError(
                 "model.endpoint measures one server; with served variants (NAME=URL) leave it unset"

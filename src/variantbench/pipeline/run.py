@@ -61,11 +61,14 @@ def served_endpoints(plan: Plan) -> dict[str, Endpoint]:
     from variantbench.backends.openai_http import OpenAIBackend
 
     m = plan.model
+    eos = (("ignore_eos", True),) if plan.workload.ignore_eos else ()
     if m.endpoint:
         probe = OpenAIBackend(m.endpoint, model=m.endpoint_model, api=m.api, timeout_s=m.request_timeout_s)
         probe.load()
         name = probe.model or "endpoint"
-        return {name: Endpoint(m.endpoint, model=name, api=m.api, timeout_s=m.request_timeout_s)}
+        return {
+            name: Endpoint(m.endpoint, model=name, api=m.api, timeout_s=m.request_timeout_s, extra_body=eos)
+        }
     out: dict[str, Endpoint] = {}
     for name in plan.ordered_variants():
         e = plan.endpoints.get(name)
@@ -88,7 +91,7 @@ def served_endpoints(plan: Plan) -> dict[str, Endpoint]:
                 value = os.environ[value[1:]]
             headers.append((header, value))
         endpoint = Endpoint(e.url, model=e.model, api=e.api, timeout_s=e.timeout_s, api_key=key,
-                            headers=tuple(headers), extra_body=tuple(e.extra_body.items()))  # fmt: skip
+                            headers=tuple(headers), extra_body=(*eos, *e.extra_body.items()))  # fmt: skip
         probe = endpoint.backend(name)
         probe.load()
         out[name] = replace(endpoint, model=probe.model)
@@ -413,6 +416,10 @@ def write_outputs(
     tmp.write_text(render(report), encoding="utf-8")
     tmp.replace(out / "report.md")
     write_html(report, records, raws, out / "report.html")
+    if report.plan.get("output", {}).get("vllm_result"):
+        from variantbench.report.vllm_result import write_vllm_results
+
+        write_vllm_results(report, records, raws, out)
 
 
 def rebuild_report(folder: Path) -> Report:

@@ -52,4 +52,7 @@ def criteria_for(
         window=t.window,
         seeds={"workload": plan.seeds.workload, **(seeds or {})},
         target_qps=target_qps if target_qps is not None else getattr(plan.load, "rate_qps", None),
+        goodput_slo_ms=dict(t.goodput_ms),
+        percentile_metrics=plan.output.percentile_metrics,
+        metric_percentiles=plan.output.metric_percentiles,
     )

@@ -16,8 +16,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from variantbench.metrics.windows import block_spans, outliers, windows
-from variantbench.records import QueryRecord
+from variantbench.records import QueryRecord, counted
 from variantbench.report.schema import Report
+from variantbench.report.summary import inter_token_ms
 from variantbench.trackers.resources import sample_from_row
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -47,16 +48,9 @@ class Inputs:
 
     @classmethod
     def of(cls, report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]]) -> Inputs:
-        """Only the records the report counted: each raw payload's run id (a find-peak search's
-        losing trials and an earlier run's leftovers in the log are not drawn), keyed by variant."""
-        counted = {(raw.get("run_id"), name): raw["variant"] for raw in raws if raw.get("status") != "failed"
-                   for name in (raw["variant"], raw.get("name"))}  # fmt: skip
-        by_variant: dict[str, list[QueryRecord]] = {}
-        for r in records:
-            variant = counted.get((r.run_id, r.variant))
-            if variant is not None:
-                by_variant.setdefault(variant, []).append(r)
-        return cls(report, by_variant, [raw for raw in raws if raw.get("status") != "failed"])
+        """Only the records the report counted (``records.counted``), keyed by variant."""
+        raws = list(raws)
+        return cls(report, counted(records, raws), [raw for raw in raws if raw.get("status") != "failed"])
 
     @property
     def variants(self) -> list[str]:
@@ -83,15 +77,11 @@ def _ecdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     return xs, [(i + 1) / len(xs) for i in range(len(xs))]
 
 
-def _itl(records: Sequence[QueryRecord]) -> list[float]:
-    return [b - a for r in records for a, b in zip(r.token_ms, r.token_ms[1:], strict=False)]
-
-
 LATENCY_PANELS = (
     ("latency from scheduled time (ms)", lambda recs: [r.latency_from_scheduled_ms for r in recs]),
     ("time to first token (ms)", lambda recs: [r.ttft_ms for r in recs if r.ttft_ms is not None]),
     ("time per output token (ms)", lambda recs: [r.tpot_ms for r in recs if r.tpot_ms is not None]),
-    ("inter-token latency (ms)", _itl),
+    ("inter-token latency (ms)", inter_token_ms),
 )
 
 

@@ -313,6 +313,29 @@ def _environment(report: Report) -> list[str]:
     return lines + [""]
 
 
+def _percentiles(report: Report) -> list[str]:
+    """vLLM's view: each chosen metric at each chosen percentile, then goodput against the SLOs."""
+    runs = [r for r in report.runs if r.status == "ok" and r.percentiles]
+    if not runs:
+        return []
+    metrics = list(runs[0].percentiles)
+    points = list(runs[0].percentiles[metrics[0]]) if metrics else []
+    header = ["variant", *(f"{m.upper()} P{p} ms" for m in metrics for p in points), "goodput req/s"]
+    rows = []
+    for r in runs:
+        good = r.goodput
+        cells = [_f(r.percentiles[m].get(p)) for m in metrics for p in points]
+        rows.append(
+            [r.variant, *cells, "-" if good is None else f"{good.requests_per_s:.3f} ({good.met} met)"]
+        )
+    slos = next((r.goodput.slo_ms for r in runs if r.goodput), None)
+    said = (f"Goodput: completed requests per second meeting every SLO ({', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())})."
+            if slos else "Goodput: no SLO stated (--goodput ttft:MS tpot:MS e2el:MS, or the latency targets).")  # fmt: skip
+    return ["## Percentiles (vLLM's metrics)", "",
+            "TTFT, TPOT per request; ITL per gap between tokens; E2EL from issue to the last token.", "",
+            *_table(header, rows), "", said, ""]  # fmt: skip
+
+
 def render(report: Report) -> str:
     w = report.workload
     lines = [
@@ -328,6 +351,7 @@ def render(report: Report) -> str:
         "",
         *_comparison(report),
         "",
+        *_percentiles(report),
         *_ab(report),
         *_execution(report),
         *_decisions(report),

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 
 class _Model(BaseModel):
@@ -215,6 +215,15 @@ class PeakSearch(_Model):
     trials: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class Goodput(_Model):
+    """vLLM's definition: completed requests meeting every SLO, per second of the run."""
+
+    slo_ms: dict[str, float] = Field(default_factory=dict)  # ttft / tpot / e2el -> ms
+    requests_per_s: float | None = None
+    met: int = 0
+    share: float | None = None  # of the issued requests
+
+
 class Queries(_Model):
     issued: int = 0
     completed: int = 0
@@ -245,6 +254,10 @@ class RunReport(_Model):
     engine_timings: dict[str, float | None] | None = None  # the engine's own clock, summed (llama.cpp)
     ttft_ms: Tail = Field(default_factory=Tail)
     tpot_ms: Tail = Field(default_factory=Tail)
+    itl_ms: LatencyDist = Field(default_factory=LatencyDist)  # every gap between consecutive tokens
+    # vLLM's --percentile-metrics x --metric-percentiles: {"ttft": {"50": ms, "99": ms}, ...}; e2el from issue
+    percentiles: dict[str, dict[str, float | None]] = Field(default_factory=dict)
+    goodput: Goodput | None = None
     throughput: Throughput = Field(default_factory=Throughput)
     speed: Speed = Field(default_factory=Speed)
     quality: Quality = Field(default_factory=Quality)

@@ -13,6 +13,7 @@ from variantbench.metrics.quality import Scored, agreement, summarize_quality
 from variantbench.metrics.windows import active_s, stable, three_sigma, windows
 from variantbench.records import QueryRecord
 from variantbench.report.schema import (
+    Goodput,
     LagDist,
     LatencyDist,
     Outliers,
@@ -46,6 +47,50 @@ class Criteria:
     confidence: float = 0.99
     seeds: dict[str, int] = field(default_factory=dict)
     target_qps: float | None = None
+    goodput_slo_ms: dict[str, float] = field(default_factory=dict)  # ttft / tpot / e2el -> ms
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+
+    def slos(self) -> dict[str, float]:
+        """Goodput's SLOs: the stated ones, else the run's targets (latency as end-to-end)."""
+        if self.goodput_slo_ms:
+            return dict(self.goodput_slo_ms)
+        given = {"ttft": self.ttft_target_ms, "tpot": self.tpot_target_ms, "e2el": self.latency_target_ms}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+def inter_token_ms(records: Sequence[QueryRecord]) -> list[float]:
+    """Every gap between consecutive tokens of every query (vLLM's ITL: per gap, not per query)."""
+    return [b - a for r in records for a, b in zip(r.token_ms, r.token_ms[1:], strict=False)]
+
+
+def metric_values(records: Sequence[QueryRecord]) -> dict[str, list[float]]:
+    """The per-request (ITL: per gap) values of vLLM's percentile metrics; e2el from issue, as vLLM's."""
+    return {
+        "ttft": [r.ttft_ms for r in records if r.ttft_ms is not None],
+        "tpot": [r.tpot_ms for r in records if r.tpot_ms is not None],
+        "itl": inter_token_ms(records),
+        "e2el": [r.latency_ms for r in records],
+    }
+
+
+def goodput(
+    ok: Sequence[QueryRecord], issued: int, duration_s: float | None, slos: dict[str, float]
+) -> Goodput | None:
+    """vLLM's goodput: completed requests meeting every SLO, per second of the run."""
+    if not slos or not duration_s:
+        return None
+
+    def good(r: QueryRecord) -> bool:
+        values = {"ttft": r.ttft_ms, "tpot": r.tpot_ms, "e2el": r.latency_ms}
+        # a one-token answer has no TPOT: that SLO cannot be missed
+        return all(values[k] is None and k == "tpot" or (values[k] is not None and values[k] <= v)
+                   for k, v in slos.items())  # fmt: skip
+
+    met = sum(1 for r in ok if good(r))
+    return Goodput(
+        slo_ms=slos, requests_per_s=met / duration_s, met=met, share=met / issued if issued else None
+    )
 
 
 def _tail(values: Sequence[float]) -> Tail:
@@ -111,6 +156,7 @@ def summarize_run(
         decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
     )
     quality = Quality(**summarize_quality(_scored(records)), **(fidelity or {}))
+    values = metric_values(ok)
     per_task = {task: _task_report(rs) for task, rs in sorted(_by_task(records).items())}
     ws = windows(records, crit.window) if records else []
     lat_trim = three_sigma(from_sched)
@@ -173,6 +219,12 @@ def summarize_run(
         ),
         ttft_ms=_tail(ttfts),
         tpot_ms=_tail(tpots),
+        itl_ms=LatencyDist(**distribution(inter_token_ms(ok))),
+        percentiles={
+            m: {f"{p:g}": percentile(values[m], p) for p in crit.metric_percentiles}
+            for m in crit.percentile_metrics
+        },  # fmt: skip
+        goodput=goodput(ok, len(records), duration_s, crit.slos()),
         throughput=throughput,
         speed=speed,
         quality=quality,

@@ -7,7 +7,9 @@ Shapes, detected per record:
 - SQuAD: ``{"context", "question", "answers"}`` where answers is SQuAD's ``[{"text": ...}]``, the
   Hugging Face ``{"text": [...]}`` or a list of strings; also the official nested SQuAD JSON file
   (``{"data": [{"paragraphs": [{"context", "qas": [...]}]}]}``);
-- summarization: ``{"article", "highlights"}`` (CNN/DailyMail), in JSONL or CSV.
+- summarization: ``{"article", "highlights"}`` (CNN/DailyMail), in JSONL or CSV;
+- ShareGPT: ``{"conversations": [{"from": "human", "value"}, {"from": "gpt", "value"}, ...]}`` (the
+  first human turn is the prompt, the first model turn after it the reference), in JSON or JSONL.
 
 Files: ``.jsonl`` (one record per line), ``.json`` (a list of records, or SQuAD's nested file),
 ``.csv`` (a header row; columns as above). A bad record is reported with its line (or entry)
@@ -84,6 +86,8 @@ def record_to_sample(rec: Any, sid: str) -> Sample:
         reference = answers[0] if answers else ""
         return Sample(sid, "qa", prompt, reference, max_tokens or MAX_NEW_TOKENS["qa"],
                       alternatives=tuple(answers[1:]))  # fmt: skip
+    if "conversations" in rec:
+        return _sharegpt(rec, sid, max_tokens)
     if "article" in rec:
         highlights = rec.get("highlights", "")
         if not isinstance(highlights, str):
@@ -108,8 +112,40 @@ def record_to_sample(rec: Any, sid: str) -> Sample:
         flat = "\n".join(m["content"] for m in msgs)
         return Sample(sid, task, flat, reference.strip(), cap, messages=msgs)
     if "prompt" not in rec:
-        raise BadRecord("needs 'prompt', 'messages', SQuAD's 'context'+'question', or 'article'+'highlights'")
+        raise BadRecord(
+            "needs 'prompt', 'messages', SQuAD's 'context'+'question', 'article'+'highlights' or "
+            "ShareGPT's 'conversations'"
+        )
     return Sample(sid, task, _text(rec, "prompt"), reference.strip(), cap)
+
+
+SHAREGPT_HUMAN = ("human", "user")
+SHAREGPT_MODEL = ("gpt", "assistant", "chatgpt", "bing", "bard", "model")
+
+
+def _sharegpt(rec: dict[str, Any], sid: str, max_tokens: int | None) -> Sample:
+    """ShareGPT's ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``
+    (vLLM's benchmark dataset): the first human turn is the prompt, the first model turn after it
+    the reference, as ``vllm bench serve --dataset-name sharegpt`` takes them."""
+    turns = rec["conversations"]
+    if not isinstance(turns, list):
+        raise BadRecord("'conversations' must be a list of {'from', 'value'} turns")
+    for i, t in enumerate(turns):
+        if (
+            not isinstance(t, dict)
+            or not isinstance(t.get("from"), str)
+            or not isinstance(t.get("value"), str)
+        ):
+            raise BadRecord(f"conversations[{i}] needs a 'from' string and a 'value' string")
+    first = next(
+        (i for i, t in enumerate(turns) if t["from"].lower() in SHAREGPT_HUMAN and t["value"].strip()), None
+    )
+    if first is None:
+        raise BadRecord("conversations has no human turn")
+    reply = next((t["value"] for t in turns[first + 1 :] if t["from"].lower() in SHAREGPT_MODEL), "")
+    prompt = turns[first]["value"].strip()
+    # a plain prompt, as vLLM sends it to /v1/completions; with api: chat it becomes the user turn
+    return Sample(sid, "generation", prompt, reply.strip(), max_tokens or MAX_NEW_TOKENS["generation"])
 
 
 def _records(path: Path) -> list[tuple[int, Any]]:
