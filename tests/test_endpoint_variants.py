@@ -51,7 +51,12 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
     assert report["recommendations"]["latency"]["variant"] in ("full", "small")
     edge = report["recommendations"]["edge"]["reasons"]
     assert all("not measured (a served model's memory is the server's)" in why for why in edge.values())
-    assert (out / "report.html").is_file()
+    # the server's own view, scraped while each was measured, beside the client's latencies
+    raw = json.loads((out / "raw" / "small.0.json").read_text())
+    scraped = raw["server_metrics"]
+    assert scraped["error"] is None and len(scraped["samples"]) >= 1
+    assert any(k.startswith("variantbench_running_requests") for k in scraped["samples"][-1][1])
+    assert 'id="server"' in (out / "report.html").read_text()
     # the plan written back replays the same comparison: the variants and their endpoints
     plan = (out / "plan.yaml").read_text()
     assert "endpoints:" in plan and f"url: {a}" in plan and "model: int8" in plan

@@ -291,6 +291,7 @@ class ExecutionPlan(_Section):
     block_s: float = Field(
         10.0, gt=0, description="server scenario, interleaved: seconds of arrivals per block"
     )
+    scrape_s: float = Field(1.0, ge=0, description="served variants: scrape the server's Prometheus /metrics every this many seconds while measuring (0: off)")  # fmt: skip
 
 
 class OutputPlan(_Section):

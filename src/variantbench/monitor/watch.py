@@ -23,7 +23,7 @@ from rich.console import Console
 from variantbench.errors import UserError
 from variantbench.monitor.detect import Alert, Cusum, detectors
 from variantbench.monitor.probe import probe_plan, probe_values
-from variantbench.monitor.scrape import scrape
+from variantbench.trackers.server_metrics import scrape
 
 WARMUP_PROBES = 1
 UNREACHABLE_AFTER = 3  # consecutive failed probes before the server is reported unreachable

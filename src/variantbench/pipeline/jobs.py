@@ -87,6 +87,7 @@ class MeasureJob:
     counters: str = ""  # whether perf cache counters work here (analysis.diagnosis.cache_counters)
     repeat: int = 0
     batch_rounds: int = 0  # batching-throughput measurements (batch-8 decode) after the scenario
+    scrape_s: float = 1.0  # a served variant's /metrics every this many seconds while measured; 0: off
 
     @property
     def id(self) -> str:

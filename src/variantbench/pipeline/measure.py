@@ -72,6 +72,8 @@ class VariantSession:
         self.warmed = False
         self.closed = False
         self.batch_rates: list[float] = []
+        self.server_samples: list[list[Any]] = []  # a served variant's /metrics over its blocks
+        self.server_error: str | None = None
         # where the variant's time went (s): what a user reads when a run takes longer than expected
         self.phases: dict[str, float] = {"load": round(self.load.startup_s, 3), "scenario": 0.0, "batch": 0.0}
 
@@ -92,11 +94,26 @@ class VariantSession:
             settings = replace(settings, warmup=0)
         self.warmed = True
         tracker = self._tracker()
-        with QueryLog(self.job.log_path) as log, tracker:
+        with QueryLog(self.job.log_path) as log, tracker, self._scraper() as scraper:
             self.result = run_scenario(self.backend, self.job.workload, settings, log, progress=progress)
+        if scraper is not None:
+            self.server_samples += scraper.samples
+            self.server_error = self.server_error or scraper.error
         self.usage.append(tracker.result)
         self.phases["scenario"] += tracker.result.wall_s
         return [r.to_json() for r in self.result.records]
+
+    def _scraper(self) -> Any:
+        """A served variant's /metrics scraped while its queries run (``None`` for a local one)."""
+        from contextlib import nullcontext
+
+        from variantbench.trackers.server_metrics import ServerScraper
+
+        e = self.job.endpoint
+        if e is None or not self.job.scrape_s:
+            return nullcontext()
+        headers = {**dict(e.headers), **({"Authorization": f"Bearer {e.api_key}"} if e.api_key else {})}
+        return ServerScraper(e.url, self.job.scrape_s, headers)
 
     def peak(self, emit: Emit) -> list[dict[str, Any]]:
         tracker = self._tracker()
@@ -169,6 +186,14 @@ class VariantSession:
             "scenario": job.load.scenario,
             "diagnosis": diagnosis,
             "resource_samples": [sample_row(x) for x in res.samples],
+            "server_metrics": {
+                "url": job.endpoint.url,
+                "interval_s": job.scrape_s,
+                "samples": self.server_samples,
+                "error": self.server_error,
+            }
+            if job.endpoint is not None and job.scrape_s
+            else None,
             "name": backend.name,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
             "peak_search": self.trials,

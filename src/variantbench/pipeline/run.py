@@ -276,7 +276,7 @@ class _RunContext:
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
             diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
-            batch_rounds=plan.analysis.batch_rounds if self.analyze else 0,
+            batch_rounds=plan.analysis.batch_rounds if self.analyze else 0, scrape_s=plan.execution.scrape_s,
         )  # fmt: skip
 
     def cold_start(

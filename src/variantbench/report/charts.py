@@ -36,6 +36,7 @@ class Chart:
     caption: str
     figure: go.Figure | None = None
     missing: str | None = None  # why there is no figure
+    applies: bool = True  # False: the run has nothing of this kind (a local run's server view): left out
 
 
 @dataclass
@@ -465,7 +466,58 @@ def diagnosis(data: Inputs) -> Chart:
     return chart
 
 
-BUILDERS = (latency_cdfs, over_time, quality_speed, forest, batch_throughput, resources, energy, diagnosis)
+def server_view(data: Inputs) -> Chart:
+    chart = Chart("server", "The server's view beside the client's",
+                  "Top: each query's latency as this client saw it; below: the server's own Prometheus series "
+                  "scraped while it was measured (running and waiting requests, KV-cache use, batch size where "
+                  "exposed). Latency that rises with the waiting queue is queueing, not compute.")  # fmt: skip
+    from variantbench.trackers.server_metrics import key_series
+
+    served = {raw["variant"]: raw["server_metrics"] for raw in data.raws if raw.get("server_metrics")}
+    if not served:
+        chart.applies = False
+        return chart
+    series = {v: key_series(m.get("samples") or []) for v, m in served.items()}
+    kinds = list(dict.fromkeys(k for per in series.values() for k in per))
+    if not kinds:
+        errors = sorted({m.get("error") for m in served.values() if m.get("error")})
+        chart.missing = ("no server-side series: " + "; ".join(errors)) if errors else (
+            "the server exposes no /metrics series we know")  # fmt: skip
+        return chart
+    fig = make_subplots(rows=1 + len(kinds), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=["client: latency per query", *(f"server: {k}" for k in kinds)])  # fmt: skip
+    origin = data.origin_ns()
+    for variant in served:
+        color = data.color(variant)
+        ok = sorted(
+            (r for r in data.records.get(variant, []) if r.status == "ok"), key=lambda r: r.completed_ns
+        )
+        fig.add_trace(go.Scatter(x=[(r.completed_ns - origin) / 1e9 for r in ok], y=[r.latency_ms for r in ok],
+                                 mode="markers", name=variant, legendgroup=variant, marker={"color": color, "size": 5}),
+                      row=1, col=1)  # fmt: skip
+        for i, kind in enumerate(kinds, start=2):
+            points = series[variant].get(kind, [])
+            fig.add_trace(go.Scatter(x=[(t - origin) / 1e9 for t, _ in points], y=[v for _, v in points],
+                                     mode="lines", name=variant, legendgroup=variant, showlegend=False,
+                                     line={"color": color, "shape": "hv"}), row=i, col=1)  # fmt: skip
+            fig.update_yaxes(title_text=kind.split(" (")[0], rangemode="tozero", row=i, col=1)
+    fig.update_yaxes(title_text="latency, ms", row=1, col=1)
+    fig.update_xaxes(title_text="time since the run started, s", row=1 + len(kinds), col=1)
+    chart.figure = _style(fig, height=220 * (1 + len(kinds)) + 80)
+    return chart
+
+
+BUILDERS = (
+    latency_cdfs,
+    over_time,
+    quality_speed,
+    forest,
+    batch_throughput,
+    resources,
+    energy,
+    diagnosis,
+    server_view,
+)
 
 
 def all_charts(data: Inputs) -> list[Chart]:

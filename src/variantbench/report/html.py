@@ -133,7 +133,7 @@ def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, 
               "<p class='caption'>From the measured queries; intervals are 95%. Quality is the composite "
               "(0.5 BLEU + 0.5 ROUGE-L) against the references.</p>",
               _table(HEADLINE, [_headline_row(r) for r in report.runs])]  # fmt: skip
-    parts += [_chart(c) for c in charts]
+    parts += [_chart(c) for c in charts if c.applies]
     execution = report.execution
     parts += ["<h2>How it was run</h2>",
               f"<p class='caption'>{'Interleaved' if execution.get('interleaved') else 'One variant after another'}"
