@@ -42,7 +42,7 @@ class OpenAIBackend:
         model: str | None = None,
         api: str = "completions",
         timeout_s: float = 120.0,
-        max_connections: int = 256,
+        max_connections: int = 0,
         name: str | None = None,
         api_key: str | None = None,
         headers: dict[str, str] | None = None,
@@ -107,6 +107,8 @@ class OpenAIBackend:
         return dict(self._info) or {"backend": "openai-http", "endpoint": self.base_url}
 
     def _new_session(self) -> aiohttp.ClientSession:
+        # 0: no cap here. The harness enforces --max-concurrency itself; a pool cap (aiohttp's default
+        # is 100) would queue requests silently and cap the concurrency the user asked for
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10.0)
         return aiohttp.ClientSession(
