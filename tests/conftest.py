@@ -106,13 +106,15 @@ def _find_chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def browser():  # noqa: ANN201 - a playwright Browser
     """Debian's chromium driven by Playwright (by its executable path: no browser download).
 
     Installed with apt when missing and we may (root, apt-get present), so the README's test command
     works on a fresh machine; `.ci/run` installs it first and sets VARIANTBENCH_REQUIRE_BROWSER=1,
-    so in CI a missing browser fails instead of skipping."""
+    so in CI a missing browser fails instead of skipping. One per test: Playwright's sync API runs
+    an event loop on this thread while it is open, and every later asyncio.run() in the session
+    would fail ("cannot be called from a running event loop")."""
     import os
     import shutil
     import subprocess

@@ -107,7 +107,8 @@ def test_api_key_headers_and_extra_body_reach_the_server(
             "load": {"scenario": "single-stream", "tasks": 3}, "workload": {"max_new_tokens": 4},
         }))  # fmt: skip
     assert [h["path"] for h, _ in seen][0] == "/v1/models"
-    generations = [(h, json.loads(b)) for h, b in seen if h["path"] != "/v1/models"]
+    # (a request whose client went away before its body arrived has none: nothing to check in it)
+    generations = [(h, json.loads(b)) for h, b in seen if h["path"].endswith("completions") and b]
     assert len(generations) >= 3
     for headers, _ in seen:  # every request, /v1/models included
         assert headers["authorization"] == "Bearer sk-test-123"

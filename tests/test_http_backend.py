@@ -139,3 +139,43 @@ def test_concurrency_cap_over_http_turns_waiting_into_lag(server) -> None:
     assert by_index[-1].latency_from_scheduled_ms > by_index[-1].latency_ms + 100  # ...and in latency
     spans = sorted((r.issued_ns, r.completed_ns) for r in run.records)
     assert all(b[0] >= a[1] - 1_000_000 for a, b in zip(spans, spans[1:], strict=False))  # one at a time
+
+
+def _dropping_app(every: int = 20):  # noqa: ANN202
+    """The real no-op server, cutting every ``every``-th connection mid-answer (5% at 20)."""
+    from variantbench.loadgen.noop_server import make_app
+
+    inner = make_app(tokens=6)
+    count = {"n": 0}
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            count["n"] += 1
+            if count["n"] % every == 0:
+                await receive()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": b"data: {", "more_body": True})
+                raise ConnectionResetError("dropped on purpose")  # uvicorn closes the connection
+        return await inner(scope, receive, send)
+
+    return app
+
+
+def test_four_sender_processes_keep_exactly_once_books_over_dropped_connections() -> None:
+    library = SyntheticLibrary(n=10, seed=0, tokens=(16, 24))
+    with ThreadServer(app=_dropping_app()) as srv:
+        backend = OpenAIBackend(srv.url)
+        backend.load()
+        settings = LoadSettings(scenario="server", rate_qps=100, min_queries=200, max_queries=200, warmup=0,
+                                max_new_tokens=6, senders=4, drain_timeout_s=30)  # fmt: skip
+        run = run_scenario(backend, library, settings)
+    records = run.records
+    assert len(records) == 200 and sorted(r.index for r in records) == list(range(200))  # each once
+    assert {r.sender for r in records} == {0, 1, 2, 3}  # every sender took its slice
+    assert all(r.sender == r.index % 4 for r in records)
+    errors = [r for r in records if r.status == "error"]
+    assert 5 <= len(errors) <= 15, [r.error for r in errors]  # the dropped ~5%, each an error record
+    ok = [r for r in records if r.status == "ok"]
+    assert all(r.issued_ns >= r.scheduled_ns and r.completed_ns >= r.issued_ns for r in ok)
+    assert all(r.output_tokens == 6 for r in ok)

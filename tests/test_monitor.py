@@ -89,11 +89,14 @@ def test_a_slowdown_injected_mid_watch_is_caught_within_two_probes(server: str, 
     # the busy processes start once probe INJECT_AFTER is logged: probe INJECT_AFTER + 1 is the first slowed
     assert INJECT_AFTER + 1 <= first["probe"] <= INJECT_AFTER + DETECT_WITHIN, console
     assert first["started_probe"] >= INJECT_AFTER - 1, console  # dated to the change, not to the baseline
-    assert (first["change"] > 0.2 if first["metric"] == "p99_ms" else first["change"] < -0.15), console
+    assert first["change"] > 0.2 if first["metric"] == "p99_ms" else first["change"] < -0.15, console
     assert f"ALERT {first['metric']}" in console
     assert not [a for a in alerts if a["probe"] <= INJECT_AFTER], console  # nothing before the slowdown
     # the monitor's own /metrics counts it
-    assert f'variantbench_monitor_alerts_total{{metric="{first["metric"]}"}} 1.0' in exported, (exported, console)
+    assert f'variantbench_monitor_alerts_total{{metric="{first["metric"]}"}} 1.0' in exported, (
+        exported,
+        console,
+    )
 
 
 def test_the_detector_stays_quiet_on_a_long_noisy_series_and_catches_shifts() -> None:

@@ -413,6 +413,9 @@ def selftest(
     queries: Annotated[int, typer.Option(help="in-process queries through the null system")] = 200_000,
     seconds: Annotated[float, typer.Option(help="seconds per HTTP rate step")] = 3.0,
     http: Annotated[bool, typer.Option(help="also measure over HTTP against a local no-op server")] = True,
+    senders: Annotated[
+        int | None, typer.Option(help="sender processes over HTTP (default: the cores)")
+    ] = None,
 ) -> None:
     """Measure the harness itself: in-process against an instant system, and over HTTP on 127.0.0.1."""
     from variantbench import selftest as st
@@ -437,10 +440,15 @@ def selftest(
             highlight=False,
         )
 
+    import os
+
+    n = senders or os.cpu_count() or 1
+    if n < 1:
+        _fail("--senders must be at least 1")
     with ProcessServer() as server:
-        best, _ = st.sustained_rate(server.url, seconds=seconds, report=show)
+        best, _ = st.sustained_rate(server.url, seconds=seconds, report=show, senders=n)
     out.print(
-        "over HTTP (no-op OpenAI server on 127.0.0.1, streamed): highest sustained Poisson rate "
+        f"over HTTP (no-op OpenAI server on 127.0.0.1, streamed; {n} sender process(es)): highest sustained Poisson rate "
         + (f"{best:,.0f} queries/s" if best else "none of the rates tried")
         + " (achieved within 1% of target, p99 dispatch lag < 1 ms, no errors)"
     )

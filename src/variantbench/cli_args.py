@@ -40,6 +40,7 @@ FLAGS: dict[str, Location] = {
     "--rate": ("load", "rate_qps"),
     "--burstiness": ("load", "burstiness"),
     "--max-concurrency": ("load", "max_concurrency"),
+    "--senders": ("load", "senders"),
     "--samples-per-query": ("load", "samples_per_query"),
     "--max-batch-size": ("load", "max_batch_size"),
     "--find-peak": ("load", "find_peak"),

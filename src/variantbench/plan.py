@@ -125,6 +125,7 @@ class Server(_Scenario):
         8, description="most waiting requests handed to an in-process model at once"
     )
     find_peak: bool = Field(False, description="server: raise the rate until a target fails, then bisect")
+    senders: PositiveInt | None = Field(None, description="server, served models: sender processes splitting the schedule, each with its own event loop (default: the cores)")  # fmt: skip
 
 
 class Offline(_Scenario):

@@ -37,6 +37,8 @@ class QueryRecord:
     engine_timings: dict[str, float] | None = None
     # the interleaved block it ran in (its variant ran alone during the block); -1: not interleaved
     block: int = -1
+    # the sender process that issued it (server scenario over HTTP with several); -1: this process
+    sender: int = -1
 
     @property
     def latency_ms(self) -> float:

@@ -74,14 +74,14 @@ class RateResult:
     sustained: bool
 
 
-def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0) -> RateResult:
+def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0, senders: int = 1) -> RateResult:
     from variantbench.backends.openai_http import OpenAIBackend
 
     backend = OpenAIBackend(url)
     backend.load()
     n = max(50, int(rate * seconds))
     settings = LoadSettings(scenario="server", rate_qps=rate, min_queries=n, max_queries=n, warmup=20,
-                            max_new_tokens=8, schedule_seed=seed, drain_timeout_s=30)  # fmt: skip
+                            max_new_tokens=8, schedule_seed=seed, drain_timeout_s=30, senders=senders)  # fmt: skip
     run = run_scenario(backend, _library(), settings)
     report = summarize_run("noop", run.records, Resources(), scenario="server")
     achieved = report.achieved_qps
@@ -110,13 +110,14 @@ def sustained_rate(
     rates: Sequence[float] = (100, 200, 400, 600, 800, 1200, 1600, 2400, 3200),
     seconds: float = 3.0,
     report: Callable[[RateResult], None] | None = None,
+    senders: int = 1,
 ) -> tuple[float | None, list[RateResult]]:
     """Rates in increasing order until two in a row fail; the highest sustained one."""
     results: list[RateResult] = []
     best = None
     failures = 0
     for rate in rates:
-        result = http_rate(url, rate, seconds)
+        result = http_rate(url, rate, seconds, senders=senders)
         results.append(result)
         if report:
             report(result)

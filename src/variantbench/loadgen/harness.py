@@ -50,6 +50,8 @@ class LoadSettings:
     # order, so every variant answers the same samples in the same block; -1: the whole run at once
     first_query: int = 0
     block: int = -1
+    # server scenario over HTTP: sender processes, each with its own event loop (loadgen/senders.py)
+    senders: int = 1
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -166,7 +168,9 @@ def run_scenario(
             state["last_progress"] = now
             say("measure", done, total_for_progress)
 
-    sut = adapter_for(backend, scenario.batch_limit(s), complete)
+    sut = adapter_for(
+        backend, scenario.batch_limit(s), complete, senders=s.senders if scenario.scheduled else 1
+    )
     pendings: list[Pending] = []
     # The dispatcher shares the interpreter with the system's thread: on a timed schedule, a short GIL
     # switch interval lets it wake on time (the default 5 ms would make arrivals late by design).

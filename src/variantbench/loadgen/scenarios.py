@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from variantbench.loadgen.schedule import arrival_offsets_ns
-from variantbench.loadgen.sut import SUT, AsyncSUT, Pending, wait_until
+from variantbench.loadgen.sut import SUT, Pending, Schedules, wait_until
 
 if TYPE_CHECKING:
     from variantbench.loadgen.harness import LoadSettings
@@ -144,7 +144,7 @@ class Server(_Unscheduled):
     def issue(self, ctx: IssueContext) -> int:
         assert ctx.offsets_ns is not None
         query = 0
-        if isinstance(ctx.sut, AsyncSUT):  # dispatched inside the event loop
+        if isinstance(ctx.sut, Schedules):  # dispatched inside the event loop(s) of the sender(s)
             plan: list[Pending] = []
             for offset in ctx.offsets_ns:
                 scheduled = ctx.started_ns + offset

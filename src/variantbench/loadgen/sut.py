@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
 from variantbench.records import QueryRecord
@@ -186,11 +186,23 @@ class AsyncSUT:
             self.loop.close()
 
 
-SUT = ThreadedSUT | AsyncSUT
+@runtime_checkable
+class Schedules(Protocol):
+    """An adapter that keeps a timed schedule itself (inside its event loop, or its senders')."""
+
+    def run_schedule(self, plan: list[Pending], max_concurrency: int | None) -> int: ...
 
 
-def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete) -> SUT:
-    """The adapter a backend needs: an event loop for concurrent (HTTP) backends, else a feeding thread."""
+SUT = Any  # ThreadedSUT | AsyncSUT | senders.SendersSUT: submit(), close(), maybe run_schedule()
+
+
+def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete, senders: int = 1) -> Any:
+    """The adapter a backend needs: for concurrent (HTTP) backends an event loop, or ``senders``
+    processes with one each (a timed schedule); else a feeding thread."""
     if isinstance(backend, ConcurrentBackend) and backend.concurrent:
+        if senders > 1:
+            from variantbench.loadgen.senders import SendersSUT
+
+            return SendersSUT(backend, senders, on_complete)
         return AsyncSUT(backend, on_complete)
     return ThreadedSUT(backend, batch_limit, on_complete)

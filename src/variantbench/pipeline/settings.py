@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from variantbench.loadgen.harness import LoadSettings
 from variantbench.plan import Plan
 from variantbench.report.summary import Criteria
@@ -24,9 +26,14 @@ def load_settings(plan: Plan, run_id: str, n_samples: int | None = None) -> Load
         batch = plan.load.model_dump().get("max_batch_size", LoadSettings.max_batch_size)
         return LoadSettings(scenario="offline", min_queries=n, max_queries=n, warmup=0, max_batch_size=batch,
                             **common)  # fmt: skip
+    knobs = plan.load.model_dump(exclude=_NOT_HARNESS)
+    if "senders" in knobs:
+        # served models only (an in-process model has no sender); the default, one per core, keeps
+        # response parsing off every loop that sends
+        knobs["senders"] = (knobs["senders"] or os.cpu_count() or 1) if plan.served else 1
     return LoadSettings(
         scenario=plan.load.scenario,
-        **plan.load.model_dump(exclude=_NOT_HARNESS),
+        **knobs,
         min_queries=limits.min_queries or n,
         max_queries=limits.max_queries,
         min_duration_s=limits.min_duration_s,

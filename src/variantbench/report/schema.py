@@ -243,6 +243,8 @@ class RunReport(_Model):
     latency_from_scheduled_ms: LatencyDist = Field(default_factory=LatencyDist)
     latency_from_issue_ms: LatencyDist = Field(default_factory=LatencyDist)
     dispatch_lag_ms: LagDist = Field(default_factory=LagDist)
+    # server scenario over HTTP with sender processes: each one's queries and dispatch lag
+    senders: list[dict[str, Any]] = Field(default_factory=list)
     late_share: float | None = None  # share of queries issued more than 1 ms after their scheduled time
     target_qps: float | None = None  # server
     achieved_qps: float | None = None  # server: issued queries / issue span

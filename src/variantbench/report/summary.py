@@ -74,6 +74,16 @@ def metric_values(records: Sequence[QueryRecord]) -> dict[str, list[float]]:
     }
 
 
+def sender_lags(records: Sequence[QueryRecord]) -> list[dict[str, float | int | None]]:
+    """Each sender process's share of the queries and its dispatch lag (ms); [] with no senders."""
+    by: dict[int, list[float]] = {}
+    for r in records:
+        if r.sender >= 0 and r.issued_ns:
+            by.setdefault(r.sender, []).append((r.issued_ns - r.scheduled_ns) / 1e6)
+    return [{"sender": k, "queries": len(v), "lag_p50_ms": percentile(v, 50), "lag_p99_ms": percentile(v, 99),
+             "lag_max_ms": max(v)} for k, v in sorted(by.items())]  # fmt: skip
+
+
 def goodput(
     ok: Sequence[QueryRecord], issued: int, duration_s: float | None, slos: dict[str, float]
 ) -> Goodput | None:
@@ -202,6 +212,7 @@ def summarize_run(
             max=max(lags_ns) / 1e6 if lags_ns else None,
         ),
         late_share=late_share,
+        senders=sender_lags(records),
         target_qps=crit.target_qps if scheduled else None,
         achieved_qps=achieved_qps,
         validity=Validity(**asdict(verdict)),
