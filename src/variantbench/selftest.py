@@ -86,14 +86,7 @@ def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0, sender
     report = summarize_run("noop", run.records, Resources(), scenario="server")
     achieved = report.achieved_qps
     lag = report.dispatch_lag_ms.p99
-    sustained = (
-        achieved is not None
-        and abs(achieved - rate) <= 0.01 * rate
-        and lag is not None
-        and lag < 1.0
-        and report.queries.errors == 0
-    )
-    return RateResult(
+    result = RateResult(
         rate,
         achieved,
         report.dispatch_lag_ms.p50,
@@ -101,18 +94,28 @@ def http_rate(url: str, rate: float, seconds: float = 3.0, seed: int = 0, sender
         report.late_share,
         report.queries.errors,
         report.latency_ms.p99,
-        sustained,
+        False,
     )
+    result.sustained = held(result, 1.0)
+    return result
+
+
+def held(result: RateResult, lag_ms: float) -> bool:
+    """The schedule kept at this rate: achieved within 1% of the target, no errors, p99 lag under ``lag_ms``."""
+    a = result.achieved_qps
+    return (a is not None and abs(a - result.target_qps) <= 0.01 * result.target_qps and result.errors == 0
+            and result.lag_p99_ms is not None and result.lag_p99_ms < lag_ms)  # fmt: skip
 
 
 def sustained_rate(
     url: str,
-    rates: Sequence[float] = (100, 200, 400, 600, 800, 1200, 1600, 2400, 3200),
+    rates: Sequence[float] = (100, 200, 400, 600, 800, 1000, 1200, 1600, 2400, 3200),
     seconds: float = 3.0,
     report: Callable[[RateResult], None] | None = None,
     senders: int = 1,
 ) -> tuple[float | None, list[RateResult]]:
-    """Rates in increasing order until two in a row fail; the highest sustained one."""
+    """Rates in increasing order until two in a row miss even the 5 ms bar; the highest sustained
+    (p99 dispatch lag under 1 ms) one."""
     results: list[RateResult] = []
     best = None
     failures = 0
@@ -122,9 +125,22 @@ def sustained_rate(
         if report:
             report(result)
         if result.sustained:
-            best, failures = rate, 0
-        else:
-            failures += 1
-            if failures >= 2:
-                break
+            best = rate
+        failures = 0 if held(result, 5.0) else failures + 1
+        if failures >= 2:
+            break
     return best, results
+
+
+def pin_apart(server_pid: int) -> str:
+    """The no-op server on the last core, this process (and the senders it spawns) on the others: on a
+    2-core host the server otherwise preempts the loop that keeps the schedule (measured at 200/s:
+    p99 dispatch lag 2.48 ms unpinned, 0.61 ms pinned). Returns what was done, for the output."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return "not pinned (one core)"
+    os.sched_setaffinity(server_pid, {cores[-1]})
+    os.sched_setaffinity(0, set(cores[:-1]))
+    return f"the no-op server pinned to core {cores[-1]}, the harness to {', '.join(map(str, cores[:-1]))}"

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from variantbench.backends.base import GenerationRequest, GenerationResult
-from variantbench.loadgen.sut import OnComplete, Pending
+from variantbench.loadgen.sut import OnComplete, Pending, until
 
 READY_TIMEOUT_S = 120.0
 
@@ -58,11 +58,7 @@ def _sender_main(sender: int, backend_blob: bytes, inbox: Any, outbox: Any) -> N
     async def dispatch(items: list[tuple[str, int, GenerationRequest]], cap: int | None) -> None:
         slot = asyncio.Semaphore(cap) if cap else None
         for request_id, at, request in items:
-            remaining = at - time.perf_counter_ns()
-            if remaining > 4_000_000:
-                await asyncio.sleep((remaining - 3_000_000) / 1e9)
-            while time.perf_counter_ns() < at:
-                await asyncio.sleep(0)
+            await until(at)
             if slot is not None:
                 await slot.acquire()
             loop.create_task(one(request_id, request, slot))

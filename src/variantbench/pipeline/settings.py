@@ -28,9 +28,7 @@ def load_settings(plan: Plan, run_id: str, n_samples: int | None = None) -> Load
                             **common)  # fmt: skip
     knobs = plan.load.model_dump(exclude=_NOT_HARNESS)
     if "senders" in knobs:
-        # served models only (an in-process model has no sender); the default, one per core, keeps
-        # response parsing off every loop that sends
-        knobs["senders"] = (knobs["senders"] or os.cpu_count() or 1) if plan.served else 1
+        knobs["senders"] = (knobs["senders"] or default_senders(plan)) if plan.served else 1
     return LoadSettings(
         scenario=plan.load.scenario,
         **knobs,
@@ -43,6 +41,21 @@ def load_settings(plan: Plan, run_id: str, n_samples: int | None = None) -> Load
         accuracy_share=plan.quality.accuracy_log,
         **common,
     )
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def default_senders(plan: Plan) -> int:
+    """One sender process per core for a remote server; half the cores for one on this machine,
+    which needs the rest (on 2 cores, two senders beside a local server measured a p99 dispatch lag
+    of 4.5 ms at 100 requests/s, one sender 0.9 ms)."""
+    from urllib.parse import urlparse
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    urls = [plan.model.endpoint] if plan.model.endpoint else [plan.endpoints[v].url for v in plan.variants]
+    local = all(urlparse(u).hostname in LOOPBACK for u in urls if u)
+    return max(1, cores // 2) if local else max(1, cores)
 
 
 def criteria_for(
