@@ -195,3 +195,24 @@ def test_a_sharegpt_file_through_vllm_style_flags_with_goodput_itl_and_a_vllm_re
     assert vllm["p99_itl_ms"] == pytest.approx(run["percentiles"]["itl"]["99"])
     assert vllm["request_goodput"] == pytest.approx(run["goodput"]["requests_per_s"])
     assert len(vllm["itls"]) == 5 and all(len(x) == 5 for x in vllm["itls"])
+
+
+def test_senders_default_to_the_cores_or_half_beside_a_local_server() -> None:
+    from variantbench.pipeline.settings import default_senders, load_settings
+    from variantbench.plan import Plan
+
+    cores = len(os.sched_getaffinity(0))
+    local = Plan.model_validate(
+        {"variants": "a=http://127.0.0.1:8000/v1", "load": {"scenario": "server", "rate_qps": 5}}
+    )
+    remote = Plan.model_validate(
+        {"variants": "a=http://10.1.2.3:8000/v1", "load": {"scenario": "server", "rate_qps": 5}}
+    )
+    assert default_senders(local) == max(1, cores // 2) and default_senders(remote) == cores
+    assert load_settings(remote, "r").senders == cores
+    pinned = Plan.model_validate({"variants": "a=http://10.1.2.3:8000/v1",
+                                  "load": {"scenario": "server", "rate_qps": 5, "senders": 3}})  # fmt: skip
+    assert load_settings(pinned, "r").senders == 3
+    assert (
+        load_settings(Plan.model_validate({"load": {"scenario": "server", "rate_qps": 5}}), "r").senders == 1
+    )
