@@ -213,6 +213,17 @@ def _compared(a: str, b: str, strict: bool, history: Path | None = None) -> Any:
     return cmp
 
 
+def _write_page(text: str, path: Path) -> None:
+    """An HTML page written, or one line and exit."""
+    from variantbench.report.pages import write_page
+
+    try:
+        write_page(text, path)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}")
+    Console(stderr=True).print(f"wrote {path}")
+
+
 HISTORY_OPTION = typer.Option(
     "--history", help="the history file for history ids (default: <cache>/history.db)"
 )
@@ -235,7 +246,6 @@ def compare(
 
     from variantbench.compare import METRICS, write_json
     from variantbench.report.compare_page import render
-    from variantbench.report.pages import write_page
 
     cmp = _compared(a, b, strict, history)
     table = Table(title=f"{cmp.b} against {cmp.a} (B/A)", title_justify="left")
@@ -247,12 +257,7 @@ def compare(
     Console().print("; ".join(f"{k}: {what}" for k, (what, _) in METRICS.items()), style="dim")
     if json_out is not None:
         write_json(cmp, json_out)
-    page = html or Path(cmp.b) / "compare.html"
-    try:
-        write_page(render(cmp.to_json()), page)
-    except OSError as exc:
-        _fail(f"cannot write {page}: {exc.strerror or exc}")
-    Console(stderr=True).print(f"wrote {page}")
+    _write_page(render(cmp.to_json()), html or Path(cmp.b) / "compare.html")
 
 
 @app.command()
@@ -332,14 +337,9 @@ def history(
     if not rows:
         Console(stderr=True).print("no runs recorded" + (" for that filter" if model or variant else ""))
     elif plot:
-        from variantbench.report.pages import write_page
         from variantbench.report.trends import render
 
-        try:
-            write_page(render(rows, str(where)), plot_out)
-        except OSError as exc:
-            _fail(f"cannot write {plot_out}: {exc.strerror or exc}")
-        Console(stderr=True).print(f"wrote {plot_out}")
+        _write_page(render(rows, str(where)), plot_out)
 
 
 @app.command()

@@ -170,6 +170,16 @@ _VLLM_ONLY = {"--base-url", "--served-model-name", "--backend", "--request-rate"
 DATASETS = ("random", "sharegpt", "jsonl", "squad", "cnndm")
 
 
+def flag_value(tokens: list[str], at: int, flag: str) -> tuple[str, int]:
+    """The value of the flag at ``tokens[at]`` (``--flag=V`` or ``--flag V``) and the index after it."""
+    _, eq, inline = tokens[at].partition("=")
+    if eq:
+        return inline, at + 1
+    if at + 1 >= len(tokens):
+        raise UserError(f"{flag} needs a value")
+    return tokens[at + 1], at + 2
+
+
 def translate_vllm(tokens: list[str]) -> list[str]:
     """vllm bench serve's flags rewritten as ours (``VLLM_FLAGS``); a command line without any of
     them is returned as it is. ``--endpoint`` and ``--model`` change meaning only with ``--base-url``."""
@@ -182,14 +192,8 @@ def translate_vllm(tokens: list[str]) -> list[str]:
 
     def take(flag: str) -> str:
         nonlocal i
-        name, eq, inline = tokens[i].partition("=")
-        i += 1
-        if eq:
-            return inline
-        if i >= len(tokens):
-            raise UserError(f"{flag} needs a value")
-        i += 1
-        return tokens[i - 1]
+        value, i = flag_value(tokens, i, flag)
+        return value
 
     dataset = None
     while i < len(tokens):
@@ -270,14 +274,10 @@ def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs
             args.extra[name] = True
             continue
 
-        def value(name: str = name, eq: str = eq, inline: str = inline) -> str:
+        def value(name: str = name) -> str:
             nonlocal i
-            if eq:
-                return inline
-            if i >= len(tokens):
-                raise UserError(f"{name} needs a value")
-            i += 1
-            return tokens[i - 1]
+            got, i = flag_value(tokens, i - 1, name)
+            return got
 
         if name == "--set":
             loc, parsed = parse_override(value())

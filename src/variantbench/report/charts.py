@@ -409,13 +409,29 @@ def energy(data: Inputs) -> Chart:
     if not points:
         chart.missing = "no variant has both an energy reading and output tokens"
         return chart
-    fig = go.Figure(go.Bar(x=[v for v, _ in points], y=[j for _, j in points],
-                           marker_color=[data.color(v) for v, _ in points],
-                           hovertemplate="%{x}: %{y:.2f} J per token<extra></extra>"))  # fmt: skip
-    fig.update_yaxes(title_text="energy, J per output token")
-    fig.update_xaxes(title_text="variant")
-    chart.figure = _style(fig, height=360, showlegend=False)
+    chart.figure = _variant_bars(data, points, "energy, J per output token", "%{y:.2f} J per token")
     return chart
+
+
+def _variant_bars(
+    data: Inputs,
+    points: list[tuple[str, float]],
+    axis: str,
+    hover: str,
+    lows: list[float | None] | None = None,
+    highs: list[float | None] | None = None,
+) -> go.Figure:
+    """One bar per variant in its colour, with its interval where given."""
+    ys = [y for _, y in points]
+    error = None
+    if lows is not None and highs is not None:
+        error = {"type": "data", "symmetric": False, "array": [(h or y) - y for h, y in zip(highs, ys, strict=True)],
+                 "arrayminus": [y - (lo or y) for lo, y in zip(lows, ys, strict=True)]}  # fmt: skip
+    fig = go.Figure(go.Bar(x=[v for v, _ in points], y=ys, marker_color=[data.color(v) for v, _ in points],
+                           error_y=error, hovertemplate="%{x}: " + hover + "<extra></extra>"))  # fmt: skip
+    fig.update_yaxes(title_text=axis)
+    fig.update_xaxes(title_text="variant")
+    return _style(fig, height=360, showlegend=False)
 
 
 def batch_throughput(data: Inputs) -> Chart:
@@ -428,15 +444,10 @@ def batch_throughput(data: Inputs) -> Chart:
             "batch rounds were not measured (an endpoint, find-peak or a backend without batching)"
         )
         return chart
-    ys = [r.batch_throughput["tokens_per_s"] for r in runs]
-    hi = [(r.batch_throughput.get("ci_high") or y) - y for r, y in zip(runs, ys, strict=True)]
-    lo = [y - (r.batch_throughput.get("ci_low") or y) for r, y in zip(runs, ys, strict=True)]
-    fig = go.Figure(go.Bar(x=[r.variant for r in runs], y=ys, marker_color=[data.color(r.variant) for r in runs],
-                           error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
-                           hovertemplate="%{x}: %{y:.1f} tokens/s<extra></extra>"))  # fmt: skip
-    fig.update_yaxes(title_text="decode tokens/s at batch 8")
-    fig.update_xaxes(title_text="variant")
-    chart.figure = _style(fig, height=360, showlegend=False)
+    chart.figure = _variant_bars(
+        data, [(r.variant, r.batch_throughput["tokens_per_s"]) for r in runs], "decode tokens/s at batch 8",
+        "%{y:.1f} tokens/s", lows=[r.batch_throughput.get("ci_low") for r in runs],
+        highs=[r.batch_throughput.get("ci_high") for r in runs])  # fmt: skip
     return chart
 
 
