@@ -19,7 +19,8 @@ import time
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
 from variantbench.loadgen.scenarios import SCENARIOS, IssueContext
-from variantbench.loadgen.sut import Pending, adapter_for
+from variantbench.loadgen.senders import adapter_for
+from variantbench.loadgen.sut import Pending
 from variantbench.records import QueryLog, QueryRecord
 from variantbench.workloads.base import Sample, SampleLibrary
 

@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from variantbench.backends.base import GenerationRequest, GenerationResult
-from variantbench.loadgen.sut import OnComplete, Pending, until
+from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
+from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, until
 
 READY_TIMEOUT_S = 120.0
 
@@ -163,3 +163,13 @@ class SendersSUT:
         self._stop(timeout_s)
         self.outbox.put(None)
         self.collector.join(timeout=timeout_s)
+
+
+def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete, senders: int = 1) -> Any:
+    """The adapter a backend needs: for concurrent (HTTP) backends an event loop, or ``senders``
+    processes with one each (a timed schedule); else a feeding thread."""
+    if isinstance(backend, ConcurrentBackend) and backend.concurrent:
+        if senders > 1:
+            return SendersSUT(backend, senders, on_complete)
+        return AsyncSUT(backend, on_complete)
+    return ThreadedSUT(backend, batch_limit, on_complete)

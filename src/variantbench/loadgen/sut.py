@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
+from variantbench.backends.base import Backend, GenerationRequest, GenerationResult
 from variantbench.records import QueryRecord
 
 # Sleep (releasing the GIL) until this close to an arrival, then spin. Event-loop timers round to
@@ -206,15 +206,3 @@ class Schedules(Protocol):
 
 
 SUT = Any  # ThreadedSUT | AsyncSUT | senders.SendersSUT: submit(), close(), maybe run_schedule()
-
-
-def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete, senders: int = 1) -> Any:
-    """The adapter a backend needs: for concurrent (HTTP) backends an event loop, or ``senders``
-    processes with one each (a timed schedule); else a feeding thread."""
-    if isinstance(backend, ConcurrentBackend) and backend.concurrent:
-        if senders > 1:
-            from variantbench.loadgen.senders import SendersSUT
-
-            return SendersSUT(backend, senders, on_complete)
-        return AsyncSUT(backend, on_complete)
-    return ThreadedSUT(backend, batch_limit, on_complete)
