@@ -37,7 +37,7 @@ def test_a_run_replays_from_its_plan_yaml_with_the_same_samples_and_schedule(
     assert first.returncode == 0, first.stderr[-2000:]
     plan = yaml.safe_load((out / "plan.yaml").read_text())
     assert plan["load"] == {"scenario": "server", "tasks": 4, "rate_qps": 25.0, "burstiness": 1.0,
-                            "max_concurrency": None, "max_batch_size": 8, "find_peak": False}  # fmt: skip
+                            "max_concurrency": None, "max_batch_size": 8, "find_peak": False, "senders": None}  # fmt: skip
     assert plan["seeds"] == {"workload": 5, "schedule": 9} and plan["model"]["source"] == str(tiny_model_dir)
 
     again = _cli("run", str(out / "plan.yaml"))
