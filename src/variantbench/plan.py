@@ -301,6 +301,7 @@ class OutputPlan(_Section):
     record_history: bool = Field(True, description="record this run in the history (--no-history: do not)")
     percentile_metrics: tuple[str, ...] = Field(PERCENTILE_METRICS, description="metrics whose percentiles every run reports: ttft, tpot, itl, e2el (vLLM's --percentile-metrics)")  # fmt: skip
     metric_percentiles: tuple[float, ...] = Field((50.0, 90.0, 99.0), description="the percentiles reported for them (vLLM's --metric-percentiles)")  # fmt: skip
+    html: bool = Field(True, description="write report.html (plotly charts, about 5 MB); the monitor's probes skip it")  # fmt: skip
     vllm_result: bool = Field(False, description="also write vllm_result.VARIANT.json with vllm bench serve's field names (--save-result)")  # fmt: skip
 
     @field_validator("percentile_metrics", "metric_percentiles", mode="before")

@@ -35,7 +35,7 @@ def probe_plan(url: str, model: str | None, out: Path, probe_file: Path | None =
     """The probe's plan: ``probe_file`` (or the defaults above) aimed at the server."""
     overrides: list[tuple[tuple[str, ...], Any]] = [] if probe_file else list(DEFAULT_PROBE.items())
     overrides += [(("model", "endpoint"), url), (("model", "endpoint_model"), model), (("out",), str(out)),
-                  (("output", "record_history"), record_history)]  # fmt: skip
+                  (("output", "record_history"), record_history), (("output", "html"), False)]  # fmt: skip
     if history is not None:
         overrides.append((("output", "history"), str(history)))
     if api is not None:
