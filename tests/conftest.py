@@ -143,6 +143,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_PIDS: dict[str, int] = {}  # a served() server's process id, by its URL
+
+
 @contextmanager
 def served(model_dir: Path, variants: str = "fp32") -> Iterator[str]:
     """``variantbench serve`` in a process of its own on 127.0.0.1 (a real server, its own CPU time);
@@ -169,7 +172,9 @@ def served(model_dir: Path, variants: str = "fp32") -> Iterator[str]:
                         f"the server did not start: {proc.stderr.read()[-2000:] if proc.poll() is not None else 'timeout'}"
                     )
                 time.sleep(0.5)
+        SERVER_PIDS[url] = proc.pid
         yield url
     finally:
+        SERVER_PIDS.pop(url, None)
         proc.terminate()
         proc.wait(timeout=30)
