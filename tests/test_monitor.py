@@ -21,6 +21,10 @@ import pytest
 from variantbench.monitor.detect import Cusum, detectors
 
 PROBES, INJECT_AFTER, DETECT_WITHIN = 12, 7, 2  # baseline: probes 2-6 (the first warms up)
+# Alerts only at 2x: a tiny model's queries take a few ms, and this host's own speed moves them. A CI
+# run's "steady" watch saw P99 go 28 -> 55 ms and tokens/s 610 -> 330 from probe 8 on, with nothing
+# injected; the defaults (20% / 15%) rightly flagged it. The injected neighbour slows the server ~4x.
+THRESHOLD = "p99_ms=100%,ttft_p99_ms=100%,tokens_per_s=100%,quality=2%"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def _watch(
     Returns the monitor's log, its console, and its own /metrics read once an alert is logged."""
     port = free_port()
     mon = subprocess.Popen([sys.executable, "-m", "variantbench", "monitor", url, "--every", "1", "--probes",
-                            str(PROBES), "--out", str(out), "--history", str(history), "--metrics-port", str(port)],
+                            str(PROBES), "--out", str(out), "--history", str(history), "--metrics-port", str(port), "--threshold", THRESHOLD],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     log, hogs, exported = out / "monitor.jsonl", [], ""
     try:
@@ -56,10 +60,10 @@ def _watch(
             time.sleep(0.2)
             lines = log.read_text().splitlines() if log.exists() else []
             if inject_after and not hogs and len(lines) >= inject_after:
-                # a noisy neighbour: the server confined to one core with two busy processes on it
+                # a noisy neighbour: the server confined to one core with three busy processes on it
                 # (busy processes spread over every core slowed it on some runs and not on others:
                 # the scheduler favours a task that sleeps between short requests)
-                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
                 _confine([SERVER_PIDS[url], *(h.pid for h in hogs)], min(os.sched_getaffinity(0)))
             if not exported and any(json.loads(x)["alerts"] for x in lines):
                 exported = (
@@ -102,7 +106,7 @@ def test_a_slowdown_injected_mid_watch_is_caught_within_two_probes(server: str, 
     # the busy processes start once probe INJECT_AFTER is logged: probe INJECT_AFTER + 1 is the first slowed
     assert INJECT_AFTER + 1 <= first["probe"] <= INJECT_AFTER + DETECT_WITHIN, console
     assert first["started_probe"] >= INJECT_AFTER - 1, console  # dated to the change, not to the baseline
-    assert first["change"] < -0.15 if first["metric"] == "tokens_per_s" else first["change"] > 0.2, console
+    assert first["change"] < -0.5 if first["metric"] == "tokens_per_s" else first["change"] > 1.0, console
     assert f"ALERT {first['metric']}" in console
     assert not [a for a in alerts if a["probe"] <= INJECT_AFTER], console  # nothing before the slowdown
     # the monitor's own /metrics counts it
