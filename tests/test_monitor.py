@@ -48,10 +48,10 @@ def _confine(pids: list[int], core: int) -> None:
 def _watch(
     url: str, out: Path, history: Path, inject_after: int | None = None
 ) -> tuple[list[dict], str, str]:
-    """A watch of PROBES probes, one a second; busy processes on every core after ``inject_after``.
+    """A watch of PROBES probes, two a second; a noisy neighbour after ``inject_after``.
     Returns the monitor's log, its console, and its own /metrics read once an alert is logged."""
     port = free_port()
-    mon = subprocess.Popen([sys.executable, "-m", "variantbench", "monitor", url, "--every", "1", "--probes",
+    mon = subprocess.Popen([sys.executable, "-m", "variantbench", "monitor", url, "--every", "0.5", "--probes",
                             str(PROBES), "--out", str(out), "--history", str(history), "--metrics-port", str(port), "--threshold", THRESHOLD],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     log, hogs, exported = out / "monitor.jsonl", [], ""
