@@ -113,7 +113,7 @@ def _resident(job: ResidentJob, commands: Any, channel: Any, preload: tuple[str,
                 target.close()
             except BaseException:  # noqa: BLE001 - closing at the end: nothing left to report to
                 pass
-            return
+            _exit(channel)
         method, args = command
         try:
             channel.put(("done", getattr(target, method)(*args, channel.put)))
@@ -134,12 +134,27 @@ def _prepare(preload: tuple[str, ...]) -> None:
             pass
 
 
+def _exit(channel: Any) -> None:
+    """Leave once the last message is through, without the interpreter's teardown: a child that had
+    loaded torch and transformers took about 2 s to exit normally, and the parent waits for it (over
+    a test suite's few dozen runs, a minute). Every file the job wrote is closed by then."""
+    import os
+    import sys
+
+    channel.close()
+    channel.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(job: Job, channel: Any, preload: tuple[str, ...] = ()) -> None:
     _prepare(preload)
     try:
         channel.put(("done", job.run(channel.put)))
     except BaseException as exc:  # report, never hang the parent
         channel.put(("failed", _one_line(exc)))
+    _exit(channel)
 
 
 def _await(proc: Any, channel: Any, on_event: OnEvent, what: str) -> Any:
