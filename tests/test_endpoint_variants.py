@@ -57,6 +57,19 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
     assert scraped["error"] is None and len(scraped["samples"]) >= 1
     assert any(k.startswith("variantbench_running_requests") for k in scraped["samples"][-1][1])
     assert 'id="server"' in (out / "report.html").read_text()
+    # the server's own TTFT and ITL histograms over the blocks, beside the client's: the same run seen
+    # from both ends, the warm-up left out of both (on loopback the client adds little)
+    for run in (full, small):
+        view = run["server_latency"]
+        assert view["ttft_ms"]["source"] == "variantbench_ttft_seconds" and view["ttft_ms"]["count"] == 6
+        assert view["itl_ms"]["count"] == 6 * 11  # one gap per token after the first, 12 tokens each
+        # the tiny model's random tokens are often bytes with no text of their own, streamed with the
+        # next token's: the client's first token can be the server's second, so TTFT is compared
+        # loosely here (benchmarks/server_agreement.py holds the default model to 10%)
+        ratio = view["client_over_server_p50"]
+        assert 0.8 < ratio["ttft"] < 2.0 and 0.8 < ratio["itl"] < 1.3, view
+    assert "## The server's own latency histograms" in (out / "report.md").read_text()
+    assert not any("_bucket{" in k for _, series in scraped["samples"] for k in series)
     # the plan written back replays the same comparison: the variants and their endpoints
     plan = (out / "plan.yaml").read_text()
     assert "endpoints:" in plan and f"url: {a}" in plan and "model: int8" in plan

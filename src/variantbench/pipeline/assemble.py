@@ -147,6 +147,9 @@ def summarize_payload(
                 threshold=plan.quality.threshold / 100, length_tolerance=plan.quality.length_tolerance / 100,
             )  # fmt: skip
             run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
+    histograms = (payload.get("server_metrics") or {}).get("latency_histograms")
+    if histograms:
+        run.server_latency = server_latency_view(run, histograms)
     diag = payload.get("diagnosis")
     if diag:
         run.diagnosis = Diagnosis(
@@ -155,6 +158,24 @@ def summarize_payload(
             ceiling_gbps=(ceilings or {}).get("memory_gbps"),
         )
     return run
+
+
+def server_latency_view(run: RunReport, histograms: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+    """The server's own TTFT and ITL percentiles beside the client's: client p50 / server p50 near 1
+    says both clocks saw the same run (on loopback the client adds the transport and its parsing)."""
+    from variantbench.trackers.server_metrics import server_latency
+
+    view = server_latency(histograms)
+    client = {"ttft_ms": run.ttft_ms.p50, "itl_ms": run.itl_ms.p50}
+    ratios = {}
+    for key, entry in view.items():
+        mine, theirs = client.get(key), entry.get("p50")
+        if mine is not None and theirs:
+            ratios[key.removesuffix("_ms")] = round(mine / theirs, 4)
+    if not view:
+        return None
+    view["client_over_server_p50"] = ratios
+    return view
 
 
 def _cost_intervals(run: RunReport, records: list[QueryRecord]) -> None:

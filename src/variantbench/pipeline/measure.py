@@ -74,6 +74,7 @@ class VariantSession:
         self.batch_rates: list[float] = []
         self.server_samples: list[list[Any]] = []  # a served variant's /metrics over its blocks
         self.server_error: str | None = None
+        self.server_histograms: dict[str, dict[str, float]] = {}  # latency buckets added in the blocks
         # where the variant's time went (s): what a user reads when a run takes longer than expected
         self.phases: dict[str, float] = {"load": round(self.load.startup_s, 3), "scenario": 0.0, "batch": 0.0}
 
@@ -86,8 +87,11 @@ class VariantSession:
 
     def block(self, settings: LoadSettings, emit: Emit) -> list[dict[str, Any]]:
         """Run one block (or the whole run) of the scenario; its records, also appended to the log."""
+        scraper: Any
 
         def progress(phase: str, done: int, total: int) -> None:
+            if phase == "warmup" and done == total and scraper is not None:
+                scraper.mark()  # the server's histograms leave the warm-up out, as the records do
             emit(("progress", phase, done, total))
 
         if self.warmed:  # the warm-up happens once, in the session's first block
@@ -97,7 +101,10 @@ class VariantSession:
         with QueryLog(self.job.log_path) as log, tracker, self._scraper() as scraper:
             self.result = run_scenario(self.backend, self.job.workload, settings, log, progress=progress)
         if scraper is not None:
+            from variantbench.trackers.server_metrics import add_deltas
+
             self.server_samples += scraper.samples
+            add_deltas(self.server_histograms, scraper.histograms)
             self.server_error = self.server_error or scraper.error
         self.usage.append(tracker.result)
         self.phases["scenario"] += tracker.result.wall_s
@@ -191,6 +198,7 @@ class VariantSession:
                 "interval_s": job.scrape_s,
                 "samples": self.server_samples,
                 "error": self.server_error,
+                "latency_histograms": self.server_histograms,
             }
             if job.endpoint is not None and job.scrape_s
             else None,

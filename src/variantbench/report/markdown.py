@@ -336,6 +336,29 @@ def _percentiles(report: Report) -> list[str]:
             *_table(header, rows), "", said, ""]  # fmt: skip
 
 
+def _server_latency(report: Report) -> list[str]:
+    """Served variants: the server's own TTFT and ITL histograms beside the client's measurements."""
+    runs = [r for r in report.runs if r.status == "ok" and r.server_latency]
+    if not runs:
+        return []
+    rows = []
+    for r in runs:
+        v = r.server_latency or {}
+        ratio = v.get("client_over_server_p50") or {}
+        for key, client in (("ttft_ms", r.ttft_ms.p50), ("itl_ms", r.itl_ms.p50)):
+            entry = v.get(key)
+            if entry:
+                kind = key.removesuffix("_ms")
+                rows.append([r.variant, kind.upper(), _f(entry.get("p50")), _f(entry.get("p90")), _f(entry.get("p99")),
+                             str(entry.get("count")), _f(client), _f(ratio.get(kind), ".3f"), entry.get("source", "")])  # fmt: skip
+    header = ["variant", "metric", "server P50 ms", "P90", "P99", "observations", "client P50 ms",
+              "client / server", "server histogram"]  # fmt: skip
+    return ["## The server's own latency histograms", "",
+            "Read from the server's /metrics after the warm-up and after each measured block "
+            "(percentiles interpolated inside buckets, as Prometheus does).", "",
+            *_table(header, rows), ""]  # fmt: skip
+
+
 def render(report: Report) -> str:
     w = report.workload
     lines = [
@@ -352,6 +375,7 @@ def render(report: Report) -> str:
         *_comparison(report),
         "",
         *_percentiles(report),
+        *_server_latency(report),
         *_ab(report),
         *_execution(report),
         *_decisions(report),

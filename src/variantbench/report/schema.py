@@ -259,6 +259,9 @@ class RunReport(_Model):
     itl_ms: LatencyDist = Field(default_factory=LatencyDist)  # every gap between consecutive tokens
     # vLLM's --percentile-metrics x --metric-percentiles: {"ttft": {"50": ms, "99": ms}, ...}; e2el from issue
     percentiles: dict[str, dict[str, float | None]] = Field(default_factory=dict)
+    # a served variant: the server's own TTFT/ITL histograms over the run's blocks (percentiles in ms,
+    # bucket-interpolated as Prometheus does) and the client's p50 over the server's
+    server_latency: dict[str, Any] | None = None
     goodput: Goodput | None = None
     throughput: Throughput = Field(default_factory=Throughput)
     speed: Speed = Field(default_factory=Speed)
