@@ -449,6 +449,12 @@ def selftest(
         # the senders get the harness's cores (all but the server's)
         n = senders or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
         out.print(f"{pinned}; {n} sender process(es)", highlight=False)
+        j = st.host_jitter(seconds)
+        out.print(
+            f"host jitter on the harness's cores, a bare loop for {j.seconds:g} s: {j.stalls_over_1ms} stalls over "
+            f"1 ms, {j.stalls_over_05ms} over 0.5 ms, longest {j.longest_ms:.2f} ms (the floor under dispatch lag)",
+            highlight=False,
+        )
         best, results = st.sustained_rate(server.url, seconds=seconds, report=show, senders=n)
     under5 = max((r.target_qps for r in results if st.held(r, 5.0)), default=None)
     out.print(

@@ -166,25 +166,28 @@ class OpenAIBackend:
                 if resp.status != 200:
                     detail = (await resp.content.read(200)).decode("utf-8", "replace").strip()
                     return _error(req, start, f"HTTP {resp.status}: {detail}")
-                async for raw in resp.content:
-                    if not raw.startswith(b"data:"):
-                        continue  # blank separators, comments, "event:" lines
-                    data = raw[5:].strip()
-                    if data == b"[DONE]":
-                        break
+                # whatever arrived, at once, stamped once: the lines of one read arrived together
+                # (iterating line by line cost more: 489 against 415 us of CPU a request for 8
+                # streamed tokens from the no-op server, aiohttp's own share being about 300)
+                rest = b""
+                async for data in resp.content.iter_any():
                     now = time.perf_counter_ns()
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        return _error(req, start, f"malformed SSE data: {data[:80]!r}")
-                    if not isinstance(chunk, dict):
-                        return _error(req, start, f"malformed SSE data: {data[:80]!r}")
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    text = _chunk_text(chunk)
-                    if text:
-                        token_ns.append(now)
-                        parts.append(text)
+                    *lines, rest = (rest + data).split(b"\n")
+                    for raw in lines:
+                        event = _sse_event(raw)
+                        if event is _DONE:
+                            break
+                        if isinstance(event, str):
+                            return _error(req, start, event)
+                        if event is not None:
+                            usage = event.get("usage") or usage
+                            text = _chunk_text(event)
+                            if text:
+                                token_ns.append(now)
+                                parts.append(text)
+                    else:
+                        continue
+                    break
         except TimeoutError:
             return _error(req, start, f"timed out after {self.timeout_s:g} s")
         except aiohttp.ClientError as exc:
@@ -213,6 +216,24 @@ class OpenAIBackend:
                 return list(await asyncio.gather(*(self.agenerate(r, client) for r in requests)))
 
         return asyncio.run(run())
+
+
+_DONE = object()
+
+
+def _sse_event(raw: bytes) -> dict[str, Any] | str | object | None:
+    """One SSE line: its JSON object, ``_DONE`` at ``[DONE]``, None for what carries no data
+    (blank separators, comments, ``event:`` lines), or a one-line error for malformed data."""
+    if not raw.startswith(b"data:"):
+        return None
+    payload = raw[5:].strip()
+    if payload == b"[DONE]":
+        return _DONE
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        return f"malformed SSE data: {payload[:80]!r}"
+    return chunk if isinstance(chunk, dict) else f"malformed SSE data: {payload[:80]!r}"
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:

@@ -4,9 +4,9 @@ with its own event loop and connection pool, so parsing one response never delay
 One event loop that both sends and parses streamed answers falls behind as the rate grows: here
 ``variantbench selftest`` held 100 requests/s with a p99 dispatch lag under 1 ms on one loop, and
 1.9 ms at 200/s. A sender is the unit a distributed load generator will place on other machines
-(Ray, later): it takes a slice of the schedule (absolute times on this host's monotonic clock,
-which every process here shares) and sends each request at its time, reporting each completion as
-it happens. The parent keeps the books: every query is issued by exactly one sender and completed
+(Ray, later): it takes a slice of the schedule (offsets), says it is armed, and is then given one
+start time on this host's monotonic clock (which every process here shares), a little ahead;
+it sends each request at its time, reporting each completion as it happens. The parent keeps the books: every query is issued by exactly one sender and completed
 exactly once (a sender that dies leaves its queries to the harness's drain, as timeouts).
 
 ``--max-concurrency`` is shared out: each of N senders holds at most ceil(C / N) requests.
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
-from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, until
+from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, rebase, until
 
 READY_TIMEOUT_S = 120.0
 
@@ -55,22 +55,32 @@ def _sender_main(sender: int, backend_blob: bytes, inbox: Any, outbox: Any) -> N
                 slot.release()
         outbox.put(("done", sender, request_id, issued, result))
 
-    async def dispatch(items: list[tuple[str, int, GenerationRequest]], cap: int | None) -> None:
+    async def dispatch(items: list[tuple[str, int, GenerationRequest]], cap: int | None, start: int) -> None:
         slot = asyncio.Semaphore(cap) if cap else None
-        for request_id, at, request in items:
-            await until(at)
+        for request_id, offset, request in items:
+            await until(start + offset)
             if slot is not None:
                 await slot.acquire()
             loop.create_task(one(request_id, request, slot))
 
     def reader() -> None:
+        held = None  # a slice taken in, waiting for the start every sender agrees on
         while True:
             msg = inbox.get()
             if msg is None:
                 loop.call_soon_threadsafe(loop.stop)
                 return
-            items, cap = msg
-            asyncio.run_coroutine_threadsafe(dispatch(items, cap), loop)
+            kind, *rest = msg
+            if kind == "slice":
+                items, cap, start = rest
+                if start is None:
+                    held = (items, cap)
+                    outbox.put(("armed", sender, None, 0, None))
+                    continue
+                asyncio.run_coroutine_threadsafe(dispatch(items, cap, start), loop)
+            elif kind == "start" and held is not None:
+                asyncio.run_coroutine_threadsafe(dispatch(*held, rest[0]), loop)
+                held = None
 
     threading.Thread(target=reader, daemon=True).start()
     outbox.put(("ready", sender, None, 0, None))
@@ -105,6 +115,7 @@ class SendersSUT:
             ready += kind == "ready"
         self.waiting: dict[str, Pending] = {}
         self.lock = threading.Lock()
+        self.armed = threading.Semaphore(0)
         self.next_sender = 0
         self.collector = threading.Thread(target=self._collect, name="variantbench-senders", daemon=True)
         self.collector.start()
@@ -115,6 +126,9 @@ class SendersSUT:
             if msg is None:
                 return
             kind, sender, request_id, issued, result = msg
+            if kind == "armed":
+                self.armed.release()
+                continue
             with self.lock:
                 pending = self.waiting.pop(request_id, None)
             if pending is None:  # a second answer to one request: never counted twice
@@ -123,24 +137,37 @@ class SendersSUT:
             pending.record.sender = sender
             self.on_complete([pending], [result])
 
-    def _send(self, slices: list[list[Pending]], cap: int | None) -> None:
+    def _send(self, slices: list[list[Pending]], cap: int | None, start: int | None) -> None:
+        """Each sender its slice: ``(request id, time, request)``; the times are offsets from a
+        start still to come when ``start`` is None, else from ``start``."""
         with self.lock:
             for group in slices:
                 for p in group:
                     self.waiting[p.request.request_id] = p
         for i, group in enumerate(slices):
-            if group:
-                self.inboxes[i].put(
-                    ([(p.request.request_id, p.record.scheduled_ns, p.request) for p in group], cap)
+            self.inboxes[i].put(
+                (
+                    "slice",
+                    [(p.request.request_id, p.record.scheduled_ns, p.request) for p in group],
+                    cap,
+                    start,
                 )
+            )
 
     def run_schedule(self, plan: list[Pending], max_concurrency: int | None) -> int:
-        """Query k to sender k mod N (every sender sees the whole rate's shape, 1/N of it)."""
+        """Query k to sender k mod N (every sender sees the whole rate's shape, 1/N of it). Every
+        sender takes its slice in first; then one start time, a little ahead, goes to all of them."""
         slices: list[list[Pending]] = [[] for _ in range(self.senders)]
         for k, p in enumerate(plan):
             slices[k % self.senders].append(p)
-        self._send(slices, math.ceil(max_concurrency / self.senders) if max_concurrency else None)
-        return len(plan)
+        self._send(slices, math.ceil(max_concurrency / self.senders) if max_concurrency else None, None)
+        for _ in range(self.senders):
+            if not self.armed.acquire(timeout=READY_TIMEOUT_S):
+                raise RuntimeError("a sender process did not take its slice of the schedule")
+        start = rebase(plan)
+        for inbox in self.inboxes:
+            inbox.put(("start", start))
+        return start
 
     def submit(self, pendings: list[Pending]) -> None:
         """Unscheduled queries (warm-up aside): now, to the senders in turn."""
@@ -149,7 +176,7 @@ class SendersSUT:
             p.record.scheduled_ns = p.record.scheduled_ns or time.perf_counter_ns()
             slices[self.next_sender].append(p)
             self.next_sender = (self.next_sender + 1) % self.senders
-        self._send(slices, None)
+        self._send(slices, None, 0)
 
     def _stop(self, timeout_s: float = 5.0) -> None:
         for q in self.inboxes:

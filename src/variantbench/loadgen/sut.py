@@ -35,6 +35,19 @@ SPIN_NS = 250_000
 # the loop more time to read answers); 0.8 ms woke late on the timer's rounding (400/s: 1.73 ms).
 LOOP_SPIN_NS = 1_500_000
 
+# A schedule starts this long after the system holds the whole plan (its offsets rebased then): time
+# to stamp the absolute times, and for the first arrival's timer to be set.
+START_LEAD_NS = 2_000_000
+
+
+def rebase(plan: list[Pending], lead_ns: int = START_LEAD_NS) -> int:
+    """Turn the plan's offsets into times on the monotonic clock, from a start ``lead_ns`` (plus
+    a microsecond a query) from now; returns the start."""
+    start = time.perf_counter_ns() + lead_ns + 1_000 * len(plan)
+    for p in plan:
+        p.record.scheduled_ns += start
+    return start
+
 
 async def until(at_ns: int) -> None:
     """Return at ``at_ns`` (perf_counter_ns) from inside an event loop, without blocking it."""
@@ -155,19 +168,21 @@ class AsyncSUT:
         self.on_complete([pending], [result])
 
     async def _dispatch(self, plan: list[Pending], max_concurrency: int | None) -> int:
-        """Issue each request at its scheduled time, from inside the loop.
+        """Issue each request at its scheduled time (the plan's offsets from a start taken here),
+        from inside the loop.
 
         Sleep on the loop's timer until about 3 ms before (its timers round to ~1 ms and oversleep
         under load), then yield with ``sleep(0)`` until the time: I/O keeps being served while the
         dispatcher waits, and no thread hand-off (nor the GIL) stands between the schedule and the send.
         """
         slot = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        start = rebase(plan)
         for p in plan:
             await until(p.record.scheduled_ns)
             if slot is not None:
                 await slot.acquire()  # waiting for a slot is dispatch lag, and counts in latency
             self.loop.create_task(self._one(p, slot))
-        return len(plan)
+        return start
 
     def run_schedule(self, plan: list[Pending], max_concurrency: int | None) -> int:
         return asyncio.run_coroutine_threadsafe(self._dispatch(plan, max_concurrency), self.loop).result()
@@ -200,7 +215,9 @@ class AsyncSUT:
 
 @runtime_checkable
 class Schedules(Protocol):
-    """An adapter that keeps a timed schedule itself (inside its event loop, or its senders')."""
+    """An adapter that keeps a timed schedule itself (inside its event loop, or its senders'): the
+    plan's ``scheduled_ns`` are offsets until it has taken the plan in and fixed the start (which it
+    returns), then times on the monotonic clock."""
 
     def run_schedule(self, plan: list[Pending], max_concurrency: int | None) -> int: ...
 
