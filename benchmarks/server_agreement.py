@@ -21,18 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -50,22 +41,14 @@ def main() -> None:
     env = describe_environment(torch_details=False)
     print(f"CPU: {env['cpu_model']}, {env['cpu_logical_cores']} logical cores, flags "
           f"{', '.join(env['cpu_flags']) or 'none of note'}")  # fmt: skip
+    from serving import Running  # benchmarks/serving.py: a server process, ready when /v1/models answers
+
+    from variantbench.loadgen.noop_server import free_port
+
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
-    server = subprocess.Popen([sys.executable, "-m", "variantbench", "serve", "--variants", args.variant,
-                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(url + "/models", timeout=1).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(
-                        f"the server did not start: {(server.stderr.read() if server.poll() is not None else 'timeout')[-500:]}"
-                    )
-                time.sleep(1)
+    serve = [sys.executable, "-m", "variantbench", "serve", "--variants", args.variant, "--port", str(port)]
+    with Running(serve, port, timeout_s=600):
         print(f"server: variantbench serve --variants {args.variant} on {url}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out"
@@ -78,9 +61,6 @@ def main() -> None:
             if proc.returncode != 0:
                 sys.exit(f"the run failed: {proc.stderr.strip().splitlines()[-1:]}")
             run = json.loads((out / "report.json").read_text())["runs"][0]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     view = run.get("server_latency")
     if not view:
         sys.exit("the run kept no server histograms (was /metrics readable?)")

@@ -59,9 +59,14 @@ class Criteria:
         return {k: v for k, v in given.items() if v is not None}
 
 
+def gaps_ms(record: QueryRecord) -> list[float]:
+    """One query's gaps between consecutive tokens."""
+    return [b - a for a, b in zip(record.token_ms, record.token_ms[1:], strict=False)]
+
+
 def inter_token_ms(records: Sequence[QueryRecord]) -> list[float]:
     """Every gap between consecutive tokens of every query (vLLM's ITL: per gap, not per query)."""
-    return [b - a for r in records for a, b in zip(r.token_ms, r.token_ms[1:], strict=False)]
+    return [gap for r in records for gap in gaps_ms(r)]
 
 
 def metric_values(records: Sequence[QueryRecord]) -> dict[str, list[float]]:

@@ -17,7 +17,7 @@ from typing import Any
 from variantbench.metrics.latency import percentile
 from variantbench.records import QueryRecord, counted
 from variantbench.report.schema import Report, RunReport
-from variantbench.report.summary import metric_values
+from variantbench.report.summary import gaps_ms, metric_values
 
 
 def _p_word(p: float) -> str:
@@ -50,7 +50,7 @@ def result(report: Report, run: RunReport, records: list[QueryRecord]) -> dict[s
         "input_lens": [r.input_tokens for r in records],
         "output_lens": [r.output_tokens for r in records],
         "ttfts": [(r.ttft_ms or 0.0) / 1e3 for r in records],
-        "itls": [[(b - a) / 1e3 for a, b in zip(r.token_ms, r.token_ms[1:], strict=False)] for r in records],
+        "itls": [[gap / 1e3 for gap in gaps_ms(r)] for r in records],
         "generated_texts": [r.output for r in records],
         "errors": [r.error or "" for r in records],
     }
