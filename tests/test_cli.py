@@ -276,6 +276,8 @@ def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> 
         "--no-cold-start", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " - server, standard = fp32" in proc.stdout  # the scenario measured, in the title
+    assert "scenario server." in (out / "report.md").read_text()
     run = json.loads((out / "report.json").read_text())["runs"][0]
     assert run["scenario"] == "server" and run["target_qps"] == 20
     assert run["achieved_qps"] == pytest.approx(20, rel=0.1)

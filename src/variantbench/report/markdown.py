@@ -366,7 +366,7 @@ def render(report: Report) -> str:
         "",
         f"Standard: **{report.standard}**. Variants: {', '.join(r.variant for r in report.runs)}. Workload: "
         f"{w.get('samples', w.get('n', '?'))} samples ({w.get('source', w.get('kind', 'synthetic'))}), "
-        f"scenario {report.plan.get('scenario')}.",
+        f"scenario {report.scenario}.",
         "",
         *summary_lines(report),
         "",

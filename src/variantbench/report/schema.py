@@ -300,6 +300,12 @@ class Report(_Model):
     def run(self, variant: str) -> RunReport | None:
         return next((r for r in self.runs if r.variant == variant), None)
 
+    @property
+    def scenario(self) -> str:
+        """The scenario the variants were measured in (an accuracy-only pass reads as offline)."""
+        measured = next((r.scenario for r in self.runs if r.status == "ok"), None)
+        return measured or (self.plan.get("load") or {}).get("scenario") or "single-stream"
+
     def write(self, path: Path) -> None:
         """Atomic write: a crash mid-write never leaves a truncated report."""
         tmp = path.with_suffix(path.suffix + ".tmp")
