@@ -175,6 +175,9 @@ def server_latency_view(run: RunReport, histograms: dict[str, dict[str, float]])
     if not view:
         return None
     view["client_over_server_p50"] = ratios
+    if run.queries.errors:  # e.g. client timeouts: the server went on and timed their tokens too
+        view["note"] = (f"{run.queries.errors} queries failed on the client side; the server's "
+                        "histograms also hold what it did for them, so the two cover different requests")  # fmt: skip
     return view
 
 

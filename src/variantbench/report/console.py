@@ -26,8 +26,7 @@ def comparison_table(report: Report) -> Table:
     base = report.run(report.standard)
     base_ok = base if base is not None and base.status == "ok" else None
     table = Table(
-        title=f"variantbench: {report.model.get('name')} - {report.scenario}, "
-        f"standard = {report.standard}",
+        title=f"variantbench: {report.model.get('name')} - {report.scenario}, standard = {report.standard}",
         caption="ratios against the standard; green is better.",
     )
     columns = [

@@ -356,7 +356,8 @@ def _server_latency(report: Report) -> list[str]:
     return ["## The server's own latency histograms", "",
             "Read from the server's /metrics after the warm-up and after each measured block "
             "(percentiles interpolated inside buckets, as Prometheus does).", "",
-            *_table(header, rows), ""]  # fmt: skip
+            *_table(header, rows), "",
+            *(f"- {r.variant}: {r.server_latency['note']}" for r in runs if (r.server_latency or {}).get("note")), ""]  # fmt: skip
 
 
 def render(report: Report) -> str:
