@@ -21,7 +21,8 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "variantbench", "run", "--variants", "fp32,int8", "--tasks", "3",
-         "--warmup", "1", "--max-new-tokens", "12", "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2", "--out", str(out)],
+         "--warmup", "1", "--max-new-tokens", "12", "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2",
+         "--looks", "2", "--no-cold-start", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,10 +33,11 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     # 134.5M parameters, tied embeddings counted once
     assert 530e6 < fp32["resources"]["param_bytes"] < 545e6
     assert int8["resources"]["param_bytes"] < 0.6 * fp32["resources"]["param_bytes"]
-    # measured in turns, one pass of 3 samples per look until every comparison is decided (at most 3)
+    # measured in turns, one pass of 3 samples per look until every comparison is decided (at most 2
+    # here; the cold start is timed in the tiny model's run: it was 30 s of this test's two minutes)
     assert report["execution"]["interleaved"] is True
     looks = len(report["execution"]["repeats"][0]["looks"])
-    assert 1 <= looks <= 3
+    assert 1 <= looks <= 2
     for run in (fp32, int8):
         assert run["queries"]["errors"] == 0 and run["queries"]["completed"] == 3 * looks
         assert run["speed"]["decode_tokens_per_s"] > 1
@@ -54,7 +56,6 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     for run in (fp32, int8):
         assert run["diagnosis"]["decode_step_ms"] > 0 and run["diagnosis"]["op_share"]["matmul"] > 0.1
         assert run["diagnosis"]["achieved_gbps"] > 0 and run["cost"]["per_million_output_tokens"] > 0
-        assert run["resources"]["startup_cold_s"] > 0
     if int8["speed"]["decode_tokens_per_s"] < fp32["speed"]["decode_tokens_per_s"]:
         assert (
             "int8: decode" in int8["diagnosis"]["summary"]
