@@ -261,6 +261,8 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
         (["--input-lengths", "uniform:900-100"], "low <= high"),
         (["--quality-threshold", "120"], "--quality-threshold"),
         (["--accuracy-log", "0"], "--accuracy-log"),
+        (["--executor", "spark"], "--executor (execution.executor)"),
+        (["--executor", "ray", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
     ],
 )
 def test_bad_load_settings(tmp_path: Path, args: list[str], needle: str) -> None:

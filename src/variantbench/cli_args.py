@@ -70,6 +70,8 @@ FLAGS: dict[str, Location] = {
     "--looks": ("analysis", "looks"),
     "--interleave": ("execution", "interleave"),
     "--block-s": ("execution", "block_s"),
+    "--executor": ("execution", "executor"),
+    "--ray-address": ("execution", "address"),
     "--csv": ("output", "csv"),
     "--history": ("output", "history"),
     "--record-history": ("output", "record_history"),

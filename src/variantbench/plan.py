@@ -287,7 +287,9 @@ class DecisionPlan(_Section):
 
 
 class ExecutionPlan(_Section):
-    executor: Literal["local", "inline"] = Field("local", description="local: each job in its own process; inline: in this process")  # fmt: skip
+    executor: Literal["local", "inline", "ray"] = Field("local", description="local: each job in its own process; inline: in this process; ray: each job a Ray task, one per node, the variants at once")  # fmt: skip
+    address: str | None = Field(None, description="ray: the cluster's address (default: RAY_ADDRESS, else a local cluster of this machine)")  # fmt: skip
+    retries: int = Field(1, ge=0, le=5, description="ray: times a job is run again when its worker or node dies")  # fmt: skip
     interleave: bool = Field(True, description="load every variant at once and alternate between them in rounds, so drift lands on all alike")  # fmt: skip
     block_s: float = Field(
         10.0, gt=0, description="server scenario, interleaved: seconds of arrivals per block"

@@ -111,6 +111,9 @@ def summarize_payload(
         run.backend["build"] = payload["build"]
     if payload.get("phases_s"):
         run.backend["phases_s"] = payload["phases_s"]
+    for key in ("node", "retried"):  # where a job ran (Ray) and what was run again
+        if payload.get(key):
+            run.backend[key] = payload[key]
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])

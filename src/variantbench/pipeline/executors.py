@@ -3,8 +3,8 @@
 An executor takes a job (picklable, with ``id`` and ``run(emit)``) and a callback for its progress
 events, and returns the job's result dict or raises ``JobFailed`` with one line. The process
 executor gives each variant its own memory, threads and startup, and a crash in one (a segfault in a
-native kernel, an out-of-memory kill) fails that job only. A Ray executor (a later issue) takes the
-same jobs and returns the same dicts.
+native kernel, an out-of-memory kill) fails that job only. The Ray executor (``ray_executor.py``)
+takes the same jobs and returns the same dicts; ``registry.py`` names them all.
 """
 
 from __future__ import annotations
@@ -234,13 +234,9 @@ class _ProcessSession:
         _stop(self.proc)
 
 
-EXECUTORS: dict[str, Callable[[], Executor]] = {
-    "local": lambda: LocalProcessExecutor(
-        preload=(
-            "torch",
-            "transformers.models.auto.modeling_auto",
-            "transformers.models.auto.tokenization_auto",
-        )
-    ),
-    "inline": InlineExecutor,
-}
+@runtime_checkable
+class Concurrent(Protocol):
+    """An executor whose ``run`` may be called from several threads at once, each job on hardware
+    of its own (Ray: a node each): the pipeline then measures the variants at once."""
+
+    def capacity(self) -> int: ...

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import datetime as dt
 import json
 from pathlib import Path
+import threading
 import time
 from typing import Any
 
@@ -31,8 +32,15 @@ from variantbench.errors import UserError
 from variantbench.extras import require
 from variantbench.paths import cache_root
 from variantbench.pipeline.assemble import assemble
-from variantbench.pipeline.executors import EXECUTORS, Executor, InlineExecutor, JobFailed, Resident
+from variantbench.pipeline.executors import (
+    Concurrent,
+    Executor,
+    InlineExecutor,
+    JobFailed,
+    Resident,
+)
 from variantbench.pipeline.jobs import BuildJob, ColdStartJob, Endpoint, MeasureJob
+from variantbench.pipeline.registry import EXECUTORS
 from variantbench.pipeline.settings import criteria_for, load_settings
 from variantbench.plan import Plan
 from variantbench.plan_file import write_plan
@@ -147,6 +155,10 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         spec = parse_model(plan.model.source)  # a bad path fails here, before anything slow
     specs = parse_variants(plan)
     check_device(plan)
+    if plan.execution.executor == "ray" and not plan.served:
+        from variantbench.pipeline.ray_executor import preflight
+
+        preflight(plan.execution.address)
     # a bad workload file or fidelity text stops the run before any model is converted or loaded
     checked = _load_file(plan, console) if plan.workload.file else None
     if plan.quality.fidelity_text is not None and not plan.quality.fidelity_text.is_file():
@@ -201,16 +213,23 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         header.ceilings["cache_counters"] = counters
     header.write(out / "report.json")
     # an endpoint is measured from this process: nothing is loaded here
-    executor: Executor = InlineExecutor() if endpoints else EXECUTORS[plan.execution.executor]()
+    executor: Executor = InlineExecutor() if endpoints else EXECUTORS[plan.execution.executor](plan.execution)
     find_peak = bool(getattr(plan.load, "find_peak", False)) and plan.is_timed
+    nodes = executor.capacity() if isinstance(executor, Concurrent) else 0
+    at_once = nodes > 1 and len(order) > 1
     interleave = (plan.execution.interleave and not endpoints and len(order) > 1 and not find_peak
-                  and isinstance(executor, Resident))  # fmt: skip
+                  and isinstance(executor, Resident) and not at_once)  # fmt: skip
     header.execution = {
         "interleaved": interleave,
         "why_not": None if interleave or len(order) < 2 else
-        ("find-peak searches each variant's rate alone" if find_peak else
+        ("each variant measured at once on a node of its own" if at_once else
+         "one node of the cluster: the variants one after another" if nodes == 1 else
+         "find-peak searches each variant's rate alone" if find_peak else
          "served variants are measured one after another" if endpoints else "execution.interleave is off"),
+        "executor": plan.execution.executor if not endpoints else "inline",
     }  # fmt: skip
+    if nodes:
+        header.execution["nodes"] = nodes
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)  # fmt: skip
     ctx = _RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
@@ -219,6 +238,8 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     with progress:
         if interleave:
             report = _measure_interleaved(ctx, progress, console)
+        elif at_once:
+            report = _measure_at_once(ctx, progress)
         else:
             report = _measure_one_by_one(ctx, progress)
     # the last assembly: every file, from the log as `variantbench report DIR` reads it (the log's order)
@@ -280,15 +301,20 @@ class _RunContext:
         )  # fmt: skip
 
     def cold_start(
-        self, variant: str, artifact: Artifact | None, payload: dict[str, Any], display: Any
-    ) -> None:
+        self, variant: str, artifact: Artifact | None, payload: dict[str, Any], display: Any,
+        via: Executor | None = None,
+    ) -> None:  # fmt: skip
+        """The variant's cold start, here (the job starts its own fresh process) or ``via`` an
+        executor that runs jobs elsewhere (a Ray node, on hardware like the one measured)."""
         vspec = self.specs.get(variant)
         if self.plan.analysis.cold_start and self.analyze and vspec is not None and artifact is not None:
             cold = ColdStartJob(
                 vspec, artifact, self.base_dir, self.plan.model.device, self.plan.model.threads
             )
             start = time.perf_counter()
-            payload["resources"].update(cold.run(display))  # its own fresh process already
+            result = via.run(cold, display) if via is not None else cold.run(display)
+            result.pop("node", None)
+            payload["resources"].update(result)
             payload.setdefault("phases_s", {})["cold_start"] = round(time.perf_counter() - start, 3)
 
     def keep(self, variant: str, repeat: int, payload: dict[str, Any]) -> None:
@@ -324,8 +350,9 @@ def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
                     raise JobFailed(build_error)
                 payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
                 ctx.records.extend(QueryRecord.from_json(r) for r in payload.pop("records"))
-                if repeat == 0:
-                    ctx.cold_start(variant, artifact, payload, display)
+                if repeat == 0:  # on the executor's hardware where its jobs run elsewhere (Ray)
+                    elsewhere = ctx.executor if isinstance(ctx.executor, Concurrent) else None
+                    ctx.cold_start(variant, artifact, payload, display, via=elsewhere)
                 payload["wall_s"] = round(time.perf_counter() - started, 3)
                 display.finish("done")
             except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
@@ -337,6 +364,42 @@ def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
         if run is not None and run.status == "ok":
             display.finish(f"done ({run.validity.verdict})")
     return report
+
+
+def _measure_at_once(ctx: _RunContext, progress: Progress) -> Report:
+    """Every variant at once, each in a thread of this process driving its jobs (build, measure,
+    cold start) on the executor, which gives each job hardware of its own (Ray: a node)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert isinstance(ctx.executor, Concurrent)
+    lock = threading.Lock()
+
+    def one(variant: str) -> None:
+        display = _Display(progress, variant)
+        started = time.perf_counter()
+        artifact, build_error = _build_or_error(ctx, variant, display)
+        for repeat in range(ctx.plan.analysis.repeats):
+            try:
+                if build_error:
+                    raise JobFailed(build_error)
+                payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
+                records = [QueryRecord.from_json(r) for r in payload.pop("records")]
+                if repeat == 0:
+                    ctx.cold_start(variant, artifact, payload, display, via=ctx.executor)
+                payload["wall_s"] = round(time.perf_counter() - started, 3)
+                display.finish("done")
+            except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
+                payload, records = _failed(variant, repeat, str(exc)), []
+                display.finish("[red]failed[/red]")
+            with lock:
+                ctx.records.extend(records)
+                ctx.keep(variant, repeat, payload)
+                ctx.assemble()
+
+    with ThreadPoolExecutor(max_workers=min(len(ctx.order), ctx.executor.capacity())) as pool:
+        for future in [pool.submit(one, v) for v in ctx.order]:
+            future.result()
+    return ctx.assemble()
 
 
 def _measure_interleaved(ctx: _RunContext, progress: Progress, console: Console) -> Report:

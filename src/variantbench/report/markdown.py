@@ -150,9 +150,20 @@ def _execution(report: Report) -> list[str]:
                 f"Repeat {rep['repeat']}: {rep['rounds']} rounds, {len(looks)} look(s) at "
                 f"{_f(last.get('confidence', 0) * 100, '.2f')}% confidence each; stopped: {rep.get('stopped')}."
             )
+    elif e.get("nodes", 0) > 1:
+        lines = [
+            f"At once on {e.get('executor')}: {e['nodes']} nodes, each variant's jobs on a node of its own."
+        ]
     else:
         lines = ["Not interleaved: one variant after the other"
                  + (f" ({e['why_not']})" if e.get("why_not") else "") + "."]  # fmt: skip
+    for r in report.runs:
+        node = r.backend.get("node")
+        if node:
+            lines.append(f"- {r.variant}: node {node.get('host')} ({node.get('ip')}, Ray node "
+                         f"{str(node.get('node_id'))[:12]}), {node.get('cpu_model')}, {node.get('cores')} cores")  # fmt: skip
+        for why in r.backend.get("retried") or []:
+            lines.append(f"- {r.variant}: run again after {why}")
     return ["## How it was measured", "", *lines, ""]
 
 

@@ -1,0 +1,217 @@
+"""``--executor ray``: each job a Ray task on a node of its own; results come back as a local run's.
+
+Placement: every node offers one ``variantbench_node`` resource (``ray start --resources
+'{"variantbench_node": 1}'``; a local ``ray.init()`` gives itself one), and every job asks for it
+with its CPUs: a node runs one variantbench job at a time, so no measurement shares a CPU with
+another measurement, nor with a build. A custom resource rather than a placement group with a
+strict spread: a group is reserved whole up front, while the jobs here come one after another
+(a variant's build, its measurement, its cold start) and a node freed by one should take the next.
+
+Results: a measurement's query records come back in its payload and are appended to the run's
+query log here (the node writes its log to a private temporary file), so the log, the raw payloads
+and the report are a local run's; each payload also says which node ran it (``node``: Ray's node
+id, host, IP, CPU model and flags). Builds are cached in the variantbench cache, which must be the
+same path on every node (one machine, or a shared filesystem with ``VARIANTBENCH_CACHE``); a node
+that cannot see an artifact fails that job with one line.
+
+Faults: a job whose worker or node died (not one that raised: that is its result) is submitted
+again, at most ``retries`` times; each retry and its reason are kept in the payload (``retried``).
+
+Progress events cross to the driver through a small actor, fire-and-forget, at most one progress
+event per half second: a measuring node must not spend its time reporting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+import os
+import threading
+import time
+from typing import Any
+
+from variantbench.errors import UserError
+from variantbench.pipeline.executors import Job, JobFailed, OnEvent, _one_line
+
+NODE_RESOURCE = "variantbench_node"
+PROGRESS_EVERY_S = 0.5
+
+
+def fingerprint() -> dict[str, Any]:
+    """The node a job ran on, as the report keeps it."""
+    import socket
+
+    import ray
+
+    from variantbench.environment import _cpu_flags, _cpu_model
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "host": socket.gethostname(),
+        "ip": ray.util.get_node_ip_address(),
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "pid": os.getpid(),
+    }
+
+
+def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
+    """The Ray task: the job run in this worker, its events sent on, its node named in the result."""
+    import tempfile
+
+    from variantbench.quiet import quiet_libraries
+
+    quiet_libraries()
+    last = {"at": 0.0}
+
+    def emit(event: tuple[Any, ...]) -> None:
+        now = time.monotonic()
+        if event[0] == "progress" and now - last["at"] < PROGRESS_EVERY_S and event[2] != event[3]:
+            return
+        last["at"] = now
+        events.put.remote(event)
+
+    if hasattr(job, "log_path"):  # a measurement: its log on this node, its records in the result
+        job = replace(job, log_path=os.path.join(tempfile.mkdtemp(prefix="variantbench-"), "queries.jsonl"))
+    try:
+        result = job.run(emit)
+    except UserError as exc:
+        raise JobFailed(str(exc)) from exc
+    result["node"] = fingerprint()
+    return result
+
+
+def preflight(address: str | None) -> None:
+    """Before anything slow: Ray installed, and the cluster's address (if one is given) answering."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UserError("--executor ray needs Ray: pip install 'variantbench[ray]'") from None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        _reachable(address)
+
+
+def _reachable(address: str) -> None:
+    """A cluster address that does not answer fails in one line, at once: Ray itself retries for
+    minutes (measured: over 3 minutes for 127.0.0.1:1, then a stack of warnings)."""
+    import socket
+
+    if address in ("auto", "local"):
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            return
+    except ValueError:
+        raise UserError(f"not a Ray address (host:port or ray://host:port): {address}") from None
+    except OSError as exc:
+        raise UserError(f"no Ray cluster answers at {address}: {exc.strerror or exc}") from None
+
+
+class _Events:
+    """A job's events, kept until the driver takes them."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, ...]] = []
+
+    def put(self, event: tuple[Any, ...]) -> None:
+        self.items.append(event)
+
+    def drain(self) -> list[tuple[Any, ...]]:
+        items, self.items = self.items, []
+        return items
+
+
+class RayExecutor:
+    """Jobs as Ray tasks, one per node at a time (``NODE_RESOURCE``); thread-safe, so the pipeline
+    may run every variant's jobs at once from threads of its own."""
+
+    def __init__(self, address: str | None = None, retries: int = 1, cpus: int | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise UserError("--executor ray needs Ray: pip install 'variantbench[ray]'") from None
+        self.retries = retries
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        if address is not None:
+            _reachable(address)
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                      "configure_logging": False}  # fmt: skip
+            if address is None:  # a local cluster of this one machine: it offers its one slot
+                kwargs["resources"] = {NODE_RESOURCE: 1}
+            try:
+                ray.init(address=address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise UserError(
+                    f"could not reach the Ray cluster at {address or 'a new local one'}: {exc}"
+                ) from None
+        slots = ray.cluster_resources().get(NODE_RESOURCE, 0)
+        if slots < 1:
+            raise UserError(
+                f"no Ray node offers the {NODE_RESOURCE} resource: start each node with "
+                f"ray start --resources '{{\"{NODE_RESOURCE}\": 1}}'"
+            )
+        self.nodes = int(slots)
+        self.cpus = cpus or 1
+        self._task = ray.remote(_run_on_node)
+        self._events = ray.remote(num_cpus=0)(_Events)
+
+    def capacity(self) -> int:
+        return self.nodes
+
+    def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayTaskError
+
+        retried: list[str] = []
+        while True:
+            events = self._events.remote()
+            ref = self._task.options(num_cpus=self.cpus, resources={NODE_RESOURCE: 1}, max_retries=0,
+                                     name=job.id).remote(job, events)  # fmt: skip
+            try:
+                while True:
+                    try:
+                        result = ray.get(ref, timeout=0.25)
+                        break
+                    except GetTimeoutError:
+                        for event in ray.get(events.drain.remote()):
+                            on_event(event)
+                for event in ray.get(events.drain.remote()):
+                    on_event(event)
+            except RayTaskError as exc:  # the job raised: its reason, as the local executor gives it
+                cause = getattr(exc, "cause", None)
+                raise JobFailed(
+                    str(cause) if isinstance(cause, JobFailed) else _one_line(cause or exc)
+                ) from None
+            except ray.exceptions.RayError as exc:  # its worker or node died: another try, or a failure
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                reason = f"{type(exc).__name__}: {first}"
+                if len(retried) >= self.retries:
+                    raise JobFailed(
+                        f"{job.id}: lost its worker or node {len(retried) + 1} time(s); last: {reason}"
+                    ) from None
+                retried.append(reason)
+                on_event(("status", f"retrying after {reason}"))
+                continue
+            finally:
+                ray.kill(events)
+            if retried:
+                result["retried"] = retried
+            if hasattr(job, "log_path") and "records" in result:
+                _append_log(job.log_path, result["records"])
+            return result
+
+
+_LOG_LOCK = threading.Lock()
+
+
+def _append_log(path: str, records: list[dict[str, Any]]) -> None:
+    """A node's records into the run's query log, as a local measurement writes them."""
+    from variantbench.records import QueryLog, QueryRecord
+
+    with _LOG_LOCK, QueryLog(path) as log:
+        for row in records:
+            log.append(QueryRecord.from_json(row))

@@ -1,0 +1,29 @@
+"""The executors by name (``execution.executor``), each a factory taking the plan's ``execution``
+section. A new executor is a new module and a line here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from variantbench.pipeline.executors import Executor, InlineExecutor, LocalProcessExecutor
+
+
+def _ray(settings: Any) -> Executor:
+    from variantbench.pipeline.ray_executor import RayExecutor  # Ray only when asked for
+
+    return RayExecutor(address=settings.address, retries=settings.retries)
+
+
+EXECUTORS: dict[str, Callable[[Any], Executor]] = {
+    "local": lambda _: LocalProcessExecutor(
+        # modules the child imports before the job's clocks start
+        preload=(
+            "torch",
+            "transformers.models.auto.modeling_auto",
+            "transformers.models.auto.tokenization_auto",
+        )
+    ),
+    "inline": lambda _: InlineExecutor(),
+    "ray": _ray,
+}
