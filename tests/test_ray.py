@@ -136,3 +136,12 @@ def test_a_worker_killed_mid_measurement_is_run_again_and_the_other_variant_kept
     for variant in ("fp32", "bf16"):
         ids = [r["index"] for r in rows if r["variant"] == variant]
         assert len(ids) == len(set(ids)) == runs[variant]["queries"]["issued"]
+
+
+def test_a_cuda_plan_on_a_cluster_without_gpus_is_one_line(
+    cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    proc = _run(tiny_model_dir, tmp_path / "gpu", "--executor", "ray", "--ray-address", cluster.address,
+                "--device", "cuda")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no node of the Ray cluster offers a GPU" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,7 +2,7 @@
 
 Placement: every node offers one ``variantbench_node`` resource (``ray start --resources
 '{"variantbench_node": 1}'``; a local ``ray.init()`` gives itself one), and every job asks for it
-with its CPUs: a node runs one variantbench job at a time, so no measurement shares a CPU with
+with a CPU (and a GPU for a CUDA variant): a node runs one variantbench job at a time, so no measurement shares a CPU with
 another measurement, nor with a build. A custom resource rather than a placement group with a
 strict spread: a group is reserved whole up front, while the jobs here come one after another
 (a variant's build, its measurement, its cold start) and a node freed by one should take the next.
@@ -128,7 +128,9 @@ class RayExecutor:
     """Jobs as Ray tasks, one per node at a time (``NODE_RESOURCE``); thread-safe, so the pipeline
     may run every variant's jobs at once from threads of its own."""
 
-    def __init__(self, address: str | None = None, retries: int = 1, cpus: int | None = None) -> None:
+    def __init__(
+        self, address: str | None = None, retries: int = 1, cpus: int | None = None, gpus: int = 0
+    ) -> None:
         try:
             import ray
         except ImportError:
@@ -156,6 +158,9 @@ class RayExecutor:
             )
         self.nodes = int(slots)
         self.cpus = cpus or 1
+        self.gpus = gpus  # a CUDA variant's job holds a GPU of its node as well
+        if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
+            raise UserError("model.device is CUDA but no node of the Ray cluster offers a GPU")
         self._task = ray.remote(_run_on_node)
         self._events = ray.remote(num_cpus=0)(_Events)
 
@@ -169,8 +174,8 @@ class RayExecutor:
         retried: list[str] = []
         while True:
             events = self._events.remote()
-            ref = self._task.options(num_cpus=self.cpus, resources={NODE_RESOURCE: 1}, max_retries=0,
-                                     name=job.id).remote(job, events)  # fmt: skip
+            ref = self._task.options(num_cpus=self.cpus, num_gpus=self.gpus, resources={NODE_RESOURCE: 1},
+                                     max_retries=0, name=job.id).remote(job, events)  # fmt: skip
             try:
                 while True:
                     try:

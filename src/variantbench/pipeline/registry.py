@@ -1,5 +1,5 @@
-"""The executors by name (``execution.executor``), each a factory taking the plan's ``execution``
-section. A new executor is a new module and a line here."""
+"""The executors by name (``execution.executor``), each a factory taking the plan. A new executor
+is a new module and a line here."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from typing import Any
 from variantbench.pipeline.executors import Executor, InlineExecutor, LocalProcessExecutor
 
 
-def _ray(settings: Any) -> Executor:
+def _ray(plan: Any) -> Executor:
     from variantbench.pipeline.ray_executor import RayExecutor  # Ray only when asked for
 
-    return RayExecutor(address=settings.address, retries=settings.retries)
+    e = plan.execution
+    return RayExecutor(
+        address=e.address, retries=e.retries, gpus=1 if plan.model.device.startswith("cuda") else 0
+    )
 
 
 EXECUTORS: dict[str, Callable[[Any], Executor]] = {

@@ -114,7 +114,8 @@ def parse_variants(plan: Plan) -> dict[str, VariantSpec]:
 
 
 def check_device(plan: Plan) -> None:
-    if plan.model.device.startswith("cuda"):
+    """A CUDA device on this machine, unless the jobs run elsewhere (Ray checks its cluster's)."""
+    if plan.model.device.startswith("cuda") and plan.execution.executor != "ray":
         import torch
 
         if not torch.cuda.is_available():
@@ -213,7 +214,7 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         header.ceilings["cache_counters"] = counters
     header.write(out / "report.json")
     # an endpoint is measured from this process: nothing is loaded here
-    executor: Executor = InlineExecutor() if endpoints else EXECUTORS[plan.execution.executor](plan.execution)
+    executor: Executor = InlineExecutor() if endpoints else EXECUTORS[plan.execution.executor](plan)
     find_peak = bool(getattr(plan.load, "find_peak", False)) and plan.is_timed
     nodes = executor.capacity() if isinstance(executor, Concurrent) else 0
     at_once = nodes > 1 and len(order) > 1
@@ -337,6 +338,28 @@ def _failed(variant: str, repeat: int, error: str) -> dict[str, Any]:
     return {"variant": variant, "repeat": repeat, "status": "failed", "error": error}
 
 
+def _one_repeat(
+    ctx: _RunContext, variant: str, repeat: int, artifact: Artifact | None, build_error: str | None,
+    display: _Display, started: float,
+) -> tuple[dict[str, Any], list[QueryRecord]]:  # fmt: skip
+    """One variant-repeat measured (the first also timed from cold): its raw payload and records,
+    or a failure's payload and none."""
+    try:
+        if build_error:
+            raise JobFailed(build_error)
+        payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
+        records = [QueryRecord.from_json(r) for r in payload.pop("records")]
+        if repeat == 0:  # on the executor's hardware where its jobs run elsewhere (Ray)
+            elsewhere = ctx.executor if isinstance(ctx.executor, Concurrent) else None
+            ctx.cold_start(variant, artifact, payload, display, via=elsewhere)
+        payload["wall_s"] = round(time.perf_counter() - started, 3)
+        display.finish("done")
+        return payload, records
+    except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
+        display.finish("[red]failed[/red]")
+        return _failed(variant, repeat, str(exc)), []
+
+
 def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
     """Variant after variant, each in one block (``--no-interleave``, find-peak, an endpoint)."""
     report = ctx.header
@@ -345,19 +368,8 @@ def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = _build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            try:
-                if build_error:
-                    raise JobFailed(build_error)
-                payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
-                ctx.records.extend(QueryRecord.from_json(r) for r in payload.pop("records"))
-                if repeat == 0:  # on the executor's hardware where its jobs run elsewhere (Ray)
-                    elsewhere = ctx.executor if isinstance(ctx.executor, Concurrent) else None
-                    ctx.cold_start(variant, artifact, payload, display, via=elsewhere)
-                payload["wall_s"] = round(time.perf_counter() - started, 3)
-                display.finish("done")
-            except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
-                payload = _failed(variant, repeat, str(exc))
-                display.finish("[red]failed[/red]")
+            payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
+            ctx.records.extend(records)
             ctx.keep(variant, repeat, payload)
         report = ctx.assemble()
         run = report.run(variant)
@@ -379,18 +391,7 @@ def _measure_at_once(ctx: _RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = _build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            try:
-                if build_error:
-                    raise JobFailed(build_error)
-                payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
-                records = [QueryRecord.from_json(r) for r in payload.pop("records")]
-                if repeat == 0:
-                    ctx.cold_start(variant, artifact, payload, display, via=ctx.executor)
-                payload["wall_s"] = round(time.perf_counter() - started, 3)
-                display.finish("done")
-            except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
-                payload, records = _failed(variant, repeat, str(exc)), []
-                display.finish("[red]failed[/red]")
+            payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             with lock:
                 ctx.records.extend(records)
                 ctx.keep(variant, repeat, payload)
