@@ -217,7 +217,7 @@ def main() -> None:
     bounds = [float(b) for b in args.lag_ms.split(",")]
     loosest = max(bounds)
 
-    from variantbench.environment import describe_environment
+    from variantbench.environment import describe_environment, usable_cores
     from variantbench.loadgen.noop_server import ProcessServer
     from variantbench.models import parse_model, prepare_model
     from variantbench.paths import cache_root
@@ -241,7 +241,7 @@ def main() -> None:
     print(f"{'rate/s':>8} | " + " | ".join(f"{t:>8} {head}" for t in tools) + "   (lag in ms)")
     with ProcessServer(tokens=8) as server:
         print(pin_apart(server.proc.pid))
-        senders = max(1, len(os.sched_getaffinity(0)))
+        senders = usable_cores()
         for rate in rates:
             row = f"{rate:8.0f} |"
             for tool in tools:

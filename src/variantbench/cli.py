@@ -440,14 +440,14 @@ def selftest(
             highlight=False,
         )
 
-    import os
+    from variantbench.environment import usable_cores
 
     if senders is not None and senders < 1:
         _fail("--senders must be at least 1")
     with ProcessServer() as server:
         pinned = st.pin_apart(server.proc.pid)
         # the senders get the harness's cores (all but the server's)
-        n = senders or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        n = senders or usable_cores()
         out.print(f"{pinned}; {n} sender process(es)", highlight=False)
         j = st.host_jitter(seconds)
         out.print(

@@ -55,6 +55,11 @@ def _cpu_flags() -> list[str]:
     return []
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def describe_environment(torch_details: bool = True) -> dict[str, Any]:
     """The machine and library versions; ``torch_details`` also imports torch for its threads,
     CPU capability and GPU (an endpoint run measures another process and does not load torch)."""

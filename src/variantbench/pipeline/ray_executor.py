@@ -31,6 +31,7 @@ from typing import Any
 
 from variantbench.errors import UserError
 from variantbench.pipeline.executors import Job, JobFailed, OnEvent, _one_line
+from variantbench.pipeline.jobs import MeasureJob
 
 NODE_RESOURCE = "variantbench_node"
 PROGRESS_EVERY_S = 0.5
@@ -42,7 +43,7 @@ def fingerprint() -> dict[str, Any]:
 
     import ray
 
-    from variantbench.environment import _cpu_flags, _cpu_model
+    from variantbench.environment import _cpu_flags, _cpu_model, usable_cores
 
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
@@ -50,7 +51,7 @@ def fingerprint() -> dict[str, Any]:
         "ip": ray.util.get_node_ip_address(),
         "cpu_model": _cpu_model(),
         "cpu_flags": _cpu_flags(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": usable_cores(),
         "pid": os.getpid(),
     }
 
@@ -71,7 +72,7 @@ def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
         last["at"] = now
         events.put.remote(event)
 
-    if hasattr(job, "log_path"):  # a measurement: its log on this node, its records in the result
+    if isinstance(job, MeasureJob):  # its log on this node, its records in the result
         job = replace(job, log_path=os.path.join(tempfile.mkdtemp(prefix="variantbench-"), "queries.jsonl"))
     try:
         result = job.run(emit)
@@ -81,8 +82,9 @@ def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
     return result
 
 
-def preflight(address: str | None) -> None:
-    """Before anything slow: Ray installed, and the cluster's address (if one is given) answering."""
+def preflight(address: str | None) -> str | None:
+    """Before anything slow: Ray installed, and the cluster's address (if one is given, or in
+    RAY_ADDRESS) answering; returns that address (None: a local cluster)."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -90,6 +92,7 @@ def preflight(address: str | None) -> None:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         _reachable(address)
+    return address
 
 
 def _reachable(address: str) -> None:
@@ -131,14 +134,10 @@ class RayExecutor:
     def __init__(
         self, address: str | None = None, retries: int = 1, cpus: int | None = None, gpus: int = 0
     ) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise UserError("--executor ray needs Ray: pip install 'variantbench[ray]'") from None
+        address = preflight(address)
+        import ray
+
         self.retries = retries
-        address = address or os.environ.get("RAY_ADDRESS") or None
-        if address is not None:
-            _reachable(address)
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "configure_logging": False}  # fmt: skip
@@ -205,7 +204,7 @@ class RayExecutor:
                 ray.kill(events)
             if retried:
                 result["retried"] = retried
-            if hasattr(job, "log_path") and "records" in result:
+            if isinstance(job, MeasureJob) and "records" in result:
                 _append_log(job.log_path, result["records"])
             return result
 

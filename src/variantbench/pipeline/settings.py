@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from variantbench.loadgen.harness import LoadSettings
 from variantbench.plan import Plan
 from variantbench.report.summary import Criteria
@@ -52,7 +50,9 @@ def default_senders(plan: Plan) -> int:
     of 4.5 ms at 100 requests/s, one sender 0.9 ms)."""
     from urllib.parse import urlparse
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from variantbench.environment import usable_cores
+
+    cores = usable_cores()
     urls = [plan.model.endpoint] if plan.model.endpoint else [plan.endpoints[v].url for v in plan.variants]
     local = all(urlparse(u).hostname in LOOPBACK for u in urls if u)
     return max(1, cores // 2) if local else max(1, cores)
