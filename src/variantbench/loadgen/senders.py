@@ -6,8 +6,8 @@ One event loop that both sends and parses streamed answers falls behind as the r
 1.9 ms at 200/s. A sender is the unit a distributed load generator will place on other machines
 (Ray, later): it takes a slice of the schedule (offsets), says it is armed, and is then given one
 start time on this host's monotonic clock (which every process here shares), a little ahead;
-it sends each request at its time, reporting each completion as it happens. The parent keeps the books: every query is issued by exactly one sender and completed
-exactly once (a sender that dies leaves its queries to the harness's drain, as timeouts).
+it sends each request at its time, reporting each completion as it happens. The parent keeps the
+books: every query is issued by exactly one sender and completed exactly once (a sender that dies leaves its queries to the harness's drain, as timeouts).
 
 ``--max-concurrency`` is shared out: each of N senders holds at most ceil(C / N) requests.
 """
