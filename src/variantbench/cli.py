@@ -142,6 +142,71 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
         raise typer.Exit(1)
 
 
+@app.command(context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG)
+def search(
+    ctx: typer.Context,
+    space: Annotated[Path, typer.Option(help="the search space: recipe steps and finishes (YAML)")],
+    objectives: Annotated[
+        str,
+        typer.Option(
+            help="what to optimize, comma-separated: quality, kl, tokens_per_s, "
+            "latency_p90, ttft_p50, peak_rss, weights, batch_tokens_per_s"
+        ),
+    ] = "quality,tokens_per_s,peak_rss",  # fmt: skip
+    budget: Annotated[
+        int, typer.Option(help="trials in all (a resumed search counts the earlier ones)")
+    ] = 12,
+    sampler: Annotated[str, typer.Option(help="nsga2 (Optuna's NSGA-II), tpe or random")] = "nsga2",
+    seed: Annotated[int, typer.Option(help="the sampler's seed")] = 0,
+    population: Annotated[
+        int | None, typer.Option(help="NSGA-II's generation size (default: budget/3, 4-20)")
+    ] = None,
+    prune_margin: Annotated[
+        float,
+        typer.Option(
+            help="stop a trial that a finished one beats by this share in "
+            "every objective after its first half (0: never)"
+        ),
+    ] = 0.10,  # fmt: skip
+    fresh: Annotated[
+        bool, typer.Option(help="start over where the folder holds a search (default: resume it)")
+    ] = False,
+) -> None:
+    """Search recipe chains for the variants worth deploying: the Pareto front of the objectives.
+
+    variantbench search [PLAN.yaml] --space SPACE.yaml [--objectives quality,tokens_per_s,peak_rss] [--budget N]
+    [--out DIR] [plan flags: --tasks, --executor ray, ...]
+    """
+    from variantbench.search.loop import SearchSettings, run_search
+    from variantbench.search.objectives import parse_objectives
+    from variantbench.search.space import load_space
+
+    console = Console(stderr=True)
+    try:
+        plan, args = _resolve_plan(list(ctx.args))
+        if not args.sets(("out",)) and args.plan_file is None:
+            plan = plan.model_copy(update={"out": Path("variantbench-search")})
+        if not 0 <= prune_margin < 1:
+            raise UserError("--prune-margin must be in [0, 1)")
+        settings = SearchSettings(space=load_space(space), objectives=parse_objectives(objectives), budget=budget,
+                                  sampler=sampler, seed=seed, population=population, prune_margin=prune_margin,
+                                  fresh=fresh)  # fmt: skip
+        outcome = run_search(plan, settings, console)
+    except UserError as exc:
+        _fail(str(exc))
+        return
+    from variantbench.search.console import search_table
+
+    stdout = Console() if Console().is_terminal else Console(width=160)
+    stdout.print(search_table(outcome))
+    front = outcome.front
+    stdout.print(f"Pareto front ({len(front)}): " + (", ".join(t.variant for t in front) or "none yet"),
+                 highlight=False, soft_wrap=True)  # fmt: skip
+    console.print(f"wrote {outcome.out / 'search.html'}, {outcome.out / 'front.yaml'} (the front as a plan), "
+                  f"{outcome.out / 'search.json'}, {outcome.out / 'search.journal'} (resumes) and the trials' "
+                  f"report in {outcome.out}")  # fmt: skip
+
+
 @app.command("plan", context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG)
 def plan_command(ctx: typer.Context) -> None:
     """Print the resolved plan (every default spelled out) without running it.

@@ -14,6 +14,7 @@ from variantbench.errors import UserError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "local": ("torch", "transformers", "safetensors", "gguf", "accelerate"),
     "serve": ("torch", "transformers", "starlette", "prometheus_client"),
+    "search": ("optuna", "torch", "transformers"),
 }
 
 

@@ -178,11 +178,20 @@ class VariantSession:
                 self.phases["diagnosis"] = time.perf_counter() - start
         finally:
             self.close()
+        return self._payload(fidelity, diagnosis)
+
+    def interim(self, emit: Emit) -> dict[str, Any]:
+        """The raw payload of the blocks so far, the variant kept loaded (no fidelity, no diagnosis):
+        what a search reads to stop a clearly dominated trial before the rest of its queries."""
+        return {**self._payload(None, None), "interim": True}
+
+    def _payload(self, fidelity: Any, diagnosis: Any) -> dict[str, Any]:
         from variantbench.trackers.resources import merge_results, sample_row
 
+        job, backend, load = self.job, self.backend, self.load
         res = merge_results(self.usage)
         result = self.result
-        assert result is not None, "finish before any block"
+        assert result is not None, "a payload before any block"
         build = job.artifact
         return {
             "variant": job.variant,

@@ -122,7 +122,7 @@ def check_device(plan: Plan) -> None:
             raise UserError(f"model.device {plan.model.device}: torch sees no CUDA device on this machine")
 
 
-class _Display:
+class Display:
     """Rich progress for one variant at a time, fed by job events."""
 
     def __init__(self, progress: Progress, variant: str) -> None:
@@ -145,10 +145,41 @@ class _Display:
 
 def execute(plan: Plan, console: Console | None = None) -> Report:
     """Run the plan; return the report (also written to ``plan.out / report.json``)."""
+    console = console or Console(stderr=True)
+    ctx = prepare(plan, console)
+    with run_progress(console) as progress:
+        if ctx.interleave:
+            report = _measure_interleaved(ctx, progress, console)
+        elif ctx.at_once:
+            report = _measure_at_once(ctx, progress)
+        else:
+            report = _measure_one_by_one(ctx, progress)
+    finish(ctx, report, console)
+    return report
+
+
+def run_progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)  # fmt: skip
+
+
+def finish(ctx: RunContext, report: Report, console: Console) -> None:
+    """The last assembly: every file, from the log as `variantbench report DIR` reads it (the log's
+    order); then the run's rows in the history."""
+    plan = ctx.plan
+    write_outputs(report, plan.out, read_log(ctx.log_path), ctx.raws, csv=plan.output.csv)
+    if plan.output.record_history:
+        _record_history(plan, report, ctx.records, ctx.base_dir, console)
+
+
+def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
+    """Everything the plan's jobs share, checked and made once: the base model, the workload, the
+    machine's ceilings, the executor and how the variants will be measured; ``report.json``'s header
+    written. Bad input fails here, before anything is measured. ``keep``: the folder's query log and
+    raw results are kept and loaded (a search resumed), not started afresh."""
     from variantbench.environment import describe_environment
     from variantbench.models import ModelSpec, parse_model, prepare_model
 
-    console = console or Console(stderr=True)
     out = plan.out
     check_writable(out)
     if not plan.served:
@@ -188,11 +219,17 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
         environment=describe_environment(torch_details=not endpoints),
     )
     log_path = out / "queries.jsonl"
-    log_path.write_text("")  # the folder holds one run: a fresh log
     raw_dir = out / "raw"
     raw_dir.mkdir(exist_ok=True)
-    for old in raw_dir.glob("*.json"):
-        old.unlink()
+    kept_raws, kept_records = [], []
+    if keep:  # a resumed search: what earlier sessions measured stays and is counted
+        kept_raws = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(raw_dir.glob("*.json"))]
+        kept_records = read_log(log_path) if log_path.exists() else []
+        log_path.touch()
+    else:
+        log_path.write_text("")  # the folder holds one run: a fresh log
+        for old in raw_dir.glob("*.json"):
+            old.unlink()
     order = list(endpoints) if plan.model.endpoint else list(plan.ordered_variants())
     fidelity = None
     if plan.quality.fidelity and not endpoints:
@@ -231,23 +268,10 @@ def execute(plan: Plan, console: Console | None = None) -> Report:
     }  # fmt: skip
     if nodes:
         header.execution["nodes"] = nodes
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=False)  # fmt: skip
-    ctx = _RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
-                      log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
-                      fidelity=fidelity, analyze=analyze, counters=counters, find_peak=find_peak)  # fmt: skip
-    with progress:
-        if interleave:
-            report = _measure_interleaved(ctx, progress, console)
-        elif at_once:
-            report = _measure_at_once(ctx, progress)
-        else:
-            report = _measure_one_by_one(ctx, progress)
-    # the last assembly: every file, from the log as `variantbench report DIR` reads it (the log's order)
-    write_outputs(report, out, read_log(log_path), ctx.raws, csv=plan.output.csv)
-    if plan.output.record_history:
-        _record_history(plan, report, ctx.records, base_dir, console)
-    return report
+    return RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
+                       log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
+                       fidelity=fidelity, analyze=analyze, counters=counters, find_peak=find_peak,
+                       interleave=interleave, at_once=at_once, raws=kept_raws, records=kept_records)  # fmt: skip
 
 
 def _record_history(
@@ -267,7 +291,7 @@ def _record_history(
 
 
 @dataclass
-class _RunContext:
+class RunContext:
     """What every way of measuring needs from the prepared run."""
 
     plan: Plan
@@ -285,6 +309,8 @@ class _RunContext:
     analyze: bool
     counters: str
     find_peak: bool
+    interleave: bool = False  # measured in turns (pipeline/interleave.py)
+    at_once: bool = False  # each variant at once on a node of its own (a Concurrent executor)
     raws: list[dict[str, Any]] = field(default_factory=list)
     records: list[QueryRecord] = field(default_factory=list)
 
@@ -339,8 +365,8 @@ def _failed(variant: str, repeat: int, error: str) -> dict[str, Any]:
 
 
 def _one_repeat(
-    ctx: _RunContext, variant: str, repeat: int, artifact: Artifact | None, build_error: str | None,
-    display: _Display, started: float,
+    ctx: RunContext, variant: str, repeat: int, artifact: Artifact | None, build_error: str | None,
+    display: Display, started: float,
 ) -> tuple[dict[str, Any], list[QueryRecord]]:  # fmt: skip
     """One variant-repeat measured (the first also timed from cold): its raw payload and records,
     or a failure's payload and none."""
@@ -360,13 +386,13 @@ def _one_repeat(
         return _failed(variant, repeat, str(exc)), []
 
 
-def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
+def _measure_one_by_one(ctx: RunContext, progress: Progress) -> Report:
     """Variant after variant, each in one block (``--no-interleave``, find-peak, an endpoint)."""
     report = ctx.header
     for variant in ctx.order:
-        display = _Display(progress, variant)
+        display = Display(progress, variant)
         started = time.perf_counter()
-        artifact, build_error = _build_or_error(ctx, variant, display)
+        artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
             payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             ctx.records.extend(records)
@@ -378,7 +404,7 @@ def _measure_one_by_one(ctx: _RunContext, progress: Progress) -> Report:
     return report
 
 
-def _measure_at_once(ctx: _RunContext, progress: Progress) -> Report:
+def _measure_at_once(ctx: RunContext, progress: Progress) -> Report:
     """Every variant at once, each in a thread of this process driving its jobs (build, measure,
     cold start) on the executor, which gives each job hardware of its own (Ray: a node)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -387,9 +413,9 @@ def _measure_at_once(ctx: _RunContext, progress: Progress) -> Report:
     lock = threading.Lock()
 
     def one(variant: str) -> None:
-        display = _Display(progress, variant)
+        display = Display(progress, variant)
         started = time.perf_counter()
-        artifact, build_error = _build_or_error(ctx, variant, display)
+        artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
             payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             with lock:
@@ -403,15 +429,15 @@ def _measure_at_once(ctx: _RunContext, progress: Progress) -> Report:
     return ctx.assemble()
 
 
-def _measure_interleaved(ctx: _RunContext, progress: Progress, console: Console) -> Report:
+def _measure_interleaved(ctx: RunContext, progress: Progress, console: Console) -> Report:
     """Every variant built, then loaded at once and measured in turns (``pipeline/interleave.py``)."""
     from variantbench.pipeline.interleave import run_interleaved
 
-    displays = {v: _Display(progress, v) for v in ctx.order}
+    displays = {v: Display(progress, v) for v in ctx.order}
     built: dict[str, Artifact | None] = {}
     errors: dict[str, str] = {}
     for variant in ctx.order:
-        built[variant], error = _build_or_error(ctx, variant, displays[variant])
+        built[variant], error = build_or_error(ctx, variant, displays[variant])
         if error:
             errors[variant] = error
     report = ctx.header
@@ -443,7 +469,7 @@ def _measure_interleaved(ctx: _RunContext, progress: Progress, console: Console)
     return report
 
 
-def _build_or_error(ctx: _RunContext, variant: str, display: _Display) -> tuple[Artifact | None, str | None]:
+def build_or_error(ctx: RunContext, variant: str, display: Display) -> tuple[Artifact | None, str | None]:
     vspec = ctx.specs.get(variant)
     if vspec is None:
         return None, None
@@ -453,7 +479,7 @@ def _build_or_error(ctx: _RunContext, variant: str, display: _Display) -> tuple[
         return None, f"build failed: {exc}"
 
 
-def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, display: _Display) -> Artifact:
+def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, display: Display) -> Artifact:
     """The variant's artifact: built by a job (its own process on the local executor) when it needs one."""
     if not spec.needs_build:
         return plain_artifact(base_dir)

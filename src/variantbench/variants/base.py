@@ -42,6 +42,11 @@ class Recipe(BaseModel):
         )
         return f"{self.kind}:{args}" if args else self.kind
 
+    def written(self) -> str:
+        """The recipe as a user writes it in a variant name: parses back to an equal recipe (the
+        search composes names from recipes). ``spec()`` unless the kind takes positional arguments."""
+        return self.spec()
+
     def artifact(self, source: str | Path, root: Path, say: Callable[[str], None] | None = None) -> Path:
         """Engine recipes: export ``source`` (a Hugging Face folder) for the engine, cached under ``root``."""
         raise TypeError(f"{self.kind} is not an engine recipe")
@@ -105,6 +110,13 @@ def register(kind: str, recipe_type: type[Recipe], summary: str) -> Callable[[Tr
 def known_kinds() -> dict[str, str]:
     _load_builtin()
     return {kind: entry.summary for kind, entry in sorted(_REGISTRY.items())}
+
+
+def recipe_type(kind: str) -> type[Recipe] | None:
+    """The recipe class registered for ``kind`` (None: unknown)."""
+    _load_builtin()
+    entry = _REGISTRY.get(kind)
+    return entry.recipe_type if entry else None
 
 
 def parse_variant(name: str) -> tuple[Recipe, ...]:

@@ -83,6 +83,9 @@ class PruneHeads(Recipe):
             raise UserError(f"prune-heads takes RATIO[,groups], got {args!r}")
         return cls(kind=kind, ratio=ratio, groups="groups" in positional[1:])
 
+    def written(self) -> str:
+        return f"prune-heads:{self.ratio:g}" + (",groups" if self.groups else "")
+
 
 def head_importance(model: nn.Module, prompts: list[torch.Tensor]) -> torch.Tensor:
     """[layers, query heads]: mean L2 norm of each head's write into the residual stream."""
@@ -214,6 +217,9 @@ class DropLayers(Recipe):
                 f"drop-layers takes the number of layers to remove, e.g. drop-layers:15 (got {args!r})"
             )
         return cls(kind=kind, count=int(positional[0]))
+
+    def written(self) -> str:
+        return f"drop-layers:{self.count}"
 
 
 def block_influence(model: nn.Module, prompts: list[torch.Tensor]) -> list[float]:
