@@ -34,6 +34,10 @@ class GenerationResult:
     first_token_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
     end_ns: int = 0
+    # When the answer was complete on the harness's clock, where it was received elsewhere (a sender
+    # on another machine, its clock offset taken out): the harness's end of the query, not the moment
+    # the answer reached it. None: the harness stamps the end itself.
+    arrived_ns: int | None = None
     # The engine's own account of the request where it keeps one (llama.cpp's perf counters), to
     # cross-check our clock; never used for the latency itself.
     engine_timings: dict[str, float] | None = None

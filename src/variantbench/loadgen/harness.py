@@ -19,7 +19,7 @@ import time
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
 from variantbench.loadgen.scenarios import SCENARIOS, IssueContext
-from variantbench.loadgen.senders import adapter_for
+from variantbench.loadgen.senders import DescribesSenders, adapter_for
 from variantbench.loadgen.sut import Pending
 from variantbench.records import QueryLog, QueryRecord
 from variantbench.workloads.base import Sample, SampleLibrary
@@ -53,6 +53,9 @@ class LoadSettings:
     block: int = -1
     # server scenario over HTTP: sender processes, each with its own event loop (loadgen/senders.py)
     senders: int = 1
+    # ... or sender actors on a Ray cluster's nodes (loadgen/ray_senders.py; senders 0: one a node)
+    ray_senders: bool = False
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -81,6 +84,7 @@ class RunLog:
     target_qps: float | None = None
     issued_queries: int = 0
     settings: dict[str, object] = field(default_factory=dict)
+    senders: list[dict[str, object]] = field(default_factory=list)  # remote senders: node, clock offset
 
 
 def sample_order(n_library: int, n_queries: int, seed: int) -> list[int]:
@@ -105,7 +109,7 @@ def _request(sample: Sample, tag: str, max_new_tokens: int | None) -> Generation
 
 def _fill(r: QueryRecord, result: GenerationResult, now: int) -> None:
     r.status, r.error = result.status, result.error
-    r.completed_ns = now
+    r.completed_ns = result.arrived_ns or now
     r.input_tokens = result.input_tokens
     if result.status != "ok":
         return
@@ -169,9 +173,10 @@ def run_scenario(
             state["last_progress"] = now
             say("measure", done, total_for_progress)
 
-    sut = adapter_for(
-        backend, scenario.batch_limit(s), complete, senders=s.senders if scenario.scheduled else 1
-    )
+    remote = s.ray_senders and scenario.scheduled
+    sut = adapter_for(backend, scenario.batch_limit(s), complete, senders=s.senders if scenario.scheduled else 1,
+                      ray_address=(s.ray_address or "") if remote else None)  # fmt: skip
+    senders_info: list[dict[str, object]] = sut.senders_info() if isinstance(sut, DescribesSenders) else []
     pendings: list[Pending] = []
     # The dispatcher shares the interpreter with the system's thread: on a timed schedule, a short GIL
     # switch interval lets it wake on time (the default 5 ms would make arrivals late by design).
@@ -266,4 +271,5 @@ def run_scenario(
         target_qps=s.rate_qps if offsets is not None else None,
         issued_queries=query,
         settings=dict(s.__dict__),
+        senders=senders_info,
     )

@@ -22,7 +22,7 @@ import pickle
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
 from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, rebase, until
@@ -192,10 +192,23 @@ class SendersSUT:
         self.collector.join(timeout=timeout_s)
 
 
-def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete, senders: int = 1) -> Any:
+@runtime_checkable
+class DescribesSenders(Protocol):
+    """An adapter whose senders run elsewhere and say where (node, clock offset) for the report."""
+
+    def senders_info(self) -> list[dict[str, Any]]: ...
+
+
+def adapter_for(backend: Backend, batch_limit: int, on_complete: OnComplete, senders: int = 1,
+                ray_address: str | None = None) -> Any:  # fmt: skip
     """The adapter a backend needs: for concurrent (HTTP) backends an event loop, or ``senders``
-    processes with one each (a timed schedule); else a feeding thread."""
+    processes with one each (a timed schedule), or sender actors on a Ray cluster (``ray_address``
+    not None; "" a local cluster); else a feeding thread."""
     if isinstance(backend, ConcurrentBackend) and backend.concurrent:
+        if ray_address is not None:
+            from variantbench.loadgen.ray_senders import RaySendersSUT
+
+            return RaySendersSUT(backend, senders, on_complete, ray_address or None)
         if senders > 1:
             return SendersSUT(backend, senders, on_complete)
         return AsyncSUT(backend, on_complete)

@@ -114,6 +114,9 @@ def summarize_payload(
     for key in ("node", "retried"):  # where a job ran (Ray) and what was run again
         if payload.get(key):
             run.backend[key] = payload[key]
+    where = {int(s["sender"]): s for s in payload.get("senders") or []}  # Ray senders: node, clock offset
+    for entry in run.senders:
+        entry.update({k: v for k, v in where.get(int(entry["sender"]), {}).items() if k != "sender"})
     if payload.get("peak_search"):
         passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
         run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])

@@ -219,6 +219,7 @@ class VariantSession:
             else None,
             "load_settings": {"rate_qps": result.target_qps},
             "seeds": result.seeds,
+            "senders": result.senders,  # senders on a Ray cluster: each one's node and clock offset
             "fidelity": fidelity,
             "load": asdict(load),
             # build_s itself is in resources, beside startup_s

@@ -32,28 +32,9 @@ from typing import Any
 from variantbench.errors import UserError
 from variantbench.pipeline.executors import Job, JobFailed, OnEvent, _one_line
 from variantbench.pipeline.jobs import MeasureJob
+from variantbench.ray_cluster import NODE_RESOURCE, connect, fingerprint
 
-NODE_RESOURCE = "variantbench_node"
 PROGRESS_EVERY_S = 0.5
-
-
-def fingerprint() -> dict[str, Any]:
-    """The node a job ran on, as the report keeps it."""
-    import socket
-
-    import ray
-
-    from variantbench.environment import _cpu_flags, _cpu_model, usable_cores
-
-    return {
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "host": socket.gethostname(),
-        "ip": ray.util.get_node_ip_address(),
-        "cpu_model": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
-        "cores": usable_cores(),
-        "pid": os.getpid(),
-    }
 
 
 def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
@@ -82,37 +63,6 @@ def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
     return result
 
 
-def preflight(address: str | None) -> str | None:
-    """Before anything slow: Ray installed, and the cluster's address (if one is given, or in
-    RAY_ADDRESS) answering; returns that address (None: a local cluster)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise UserError("--executor ray needs Ray: pip install 'variantbench[ray]'") from None
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        _reachable(address)
-    return address
-
-
-def _reachable(address: str) -> None:
-    """A cluster address that does not answer fails in one line, at once: Ray itself retries for
-    minutes (measured: over 3 minutes for 127.0.0.1:1, then a stack of warnings)."""
-    import socket
-
-    if address in ("auto", "local"):
-        return
-    hostport = address.removeprefix("ray://")
-    host, _, port = hostport.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
-            return
-    except ValueError:
-        raise UserError(f"not a Ray address (host:port or ray://host:port): {address}") from None
-    except OSError as exc:
-        raise UserError(f"no Ray cluster answers at {address}: {exc.strerror or exc}") from None
-
-
 class _Events:
     """A job's events, kept until the driver takes them."""
 
@@ -134,28 +84,10 @@ class RayExecutor:
     def __init__(
         self, address: str | None = None, retries: int = 1, cpus: int | None = None, gpus: int = 0
     ) -> None:
-        address = preflight(address)
         import ray
 
         self.retries = retries
-        if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                      "configure_logging": False}  # fmt: skip
-            if address is None:  # a local cluster of this one machine: it offers its one slot
-                kwargs["resources"] = {NODE_RESOURCE: 1}
-            try:
-                ray.init(address=address, **kwargs)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise UserError(
-                    f"could not reach the Ray cluster at {address or 'a new local one'}: {exc}"
-                ) from None
-        slots = ray.cluster_resources().get(NODE_RESOURCE, 0)
-        if slots < 1:
-            raise UserError(
-                f"no Ray node offers the {NODE_RESOURCE} resource: start each node with "
-                f"ray start --resources '{{\"{NODE_RESOURCE}\": 1}}'"
-            )
-        self.nodes = int(slots)
+        self.nodes = connect(address)
         self.cpus = cpus or 1
         self.gpus = gpus  # a CUDA variant's job holds a GPU of its node as well
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:

@@ -187,8 +187,8 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         spec = parse_model(plan.model.source)  # a bad path fails here, before anything slow
     specs = parse_variants(plan)
     check_device(plan)
-    if plan.execution.executor == "ray" and not plan.served:
-        from variantbench.pipeline.ray_executor import preflight
+    if plan.execution.executor == "ray":  # jobs on its nodes, or (served variants) its sender actors
+        from variantbench.ray_cluster import preflight
 
         preflight(plan.execution.address)
     # a bad workload file or fidelity text stops the run before any model is converted or loaded

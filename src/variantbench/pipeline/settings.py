@@ -26,7 +26,12 @@ def load_settings(plan: Plan, run_id: str, n_samples: int | None = None) -> Load
                             **common)  # fmt: skip
     knobs = plan.load.model_dump(exclude=_NOT_HARNESS)
     if "senders" in knobs:
-        knobs["senders"] = (knobs["senders"] or default_senders(plan)) if plan.served else 1
+        # served variants on --executor ray: sender actors on the cluster's nodes (default one a node)
+        on_ray = plan.served and plan.execution.executor == "ray"
+        knobs["senders"] = (
+            (knobs["senders"] or (0 if on_ray else default_senders(plan))) if plan.served else 1
+        )
+        knobs.update(ray_senders=on_ray, ray_address=plan.execution.address if on_ray else None)
     return LoadSettings(
         scenario=plan.load.scenario,
         **knobs,

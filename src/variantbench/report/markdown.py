@@ -164,6 +164,13 @@ def _execution(report: Report) -> list[str]:
                          f"{str(node.get('node_id'))[:12]}), {node.get('cpu_model')}, {node.get('cores')} cores")  # fmt: skip
         for why in r.backend.get("retried") or []:
             lines.append(f"- {r.variant}: run again after {why}")
+        if len(r.senders) > 1 or any("node_id" in s for s in r.senders):
+            lines.append(f"- {r.variant}: {len(r.senders)} senders, each a slice of the schedule")
+            for s in r.senders:
+                where = (f", on {s.get('host')} ({s.get('ip')}), clock offset {_f(s.get('clock_offset_ms'), '.3f')} ms "
+                         f"± {_f((s.get('clock_rtt_ms') or 0) / 2, '.3f')} ms" if "node_id" in s else "")  # fmt: skip
+                lines.append(f"  - sender {s['sender']}: {s['queries']} queries, dispatch lag p50 "
+                             f"{_f(s.get('lag_p50_ms'), '.3f')} ms, p99 {_f(s.get('lag_p99_ms'), '.3f')} ms{where}")  # fmt: skip
     return ["## How it was measured", "", *lines, ""]
 
 

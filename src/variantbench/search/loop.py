@@ -30,6 +30,7 @@ from pathlib import Path
 import threading
 import time
 from typing import Any
+import warnings
 
 from rich.console import Console
 
@@ -142,7 +143,9 @@ def _open_study(out: Path, s: SearchSettings, resume: bool) -> Any:
     storage = JournalStorage(JournalFileBackend(str(journal)))
     study = optuna.create_study(study_name=STUDY, storage=storage, sampler=_sampler(s), load_if_exists=True,
                                 directions=[o.direction for o in s.objectives])  # fmt: skip
-    study.set_metric_names([o.name for o in s.objectives])
+    with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and still the way to name them
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([o.name for o in s.objectives])
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         # a trial the last session was measuring when it stopped: failed (said so), its budget spent
         study.tell(t.number, state=optuna.trial.TrialState.FAIL)

@@ -34,9 +34,13 @@ class Objective:
 
 
 def _quality(run: RunReport) -> float | None:
+    """Composite quality over the standard's (the standard itself: 1); where the standard scored 0
+    there is no ratio, and every run, the standard too, falls back to its composite."""
     q = run.quality_vs_standard
     if q is not None and q.ratio is not None:
         return q.ratio
+    if q is not None and q.standard == run.variant and run.quality.composite:
+        return 1.0
     return run.quality.composite
 
 
