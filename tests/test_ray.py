@@ -188,7 +188,8 @@ def test_a_search_on_two_nodes_runs_its_trials_at_once(cluster, tiny_model_dir: 
         [sys.executable, "-m", "variantbench", "search", "--space", str(space), "--budget", "2",
          "--objectives", "tokens_per_s,weights", "--set", f"model.source={tiny_model_dir}", "--tasks", "3",
          "--max-new-tokens", "3", "--input-lengths", "fixed:32", "--no-fidelity", "--executor", "ray",
-         "--ray-address", cluster.address, "--out", str(out)],
+         "--ray-address", cluster.address, "--set", f"execution.shared_cache={tmp_path / 'cache'}",
+         "--set", "execution.memory_gb=0.5", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,3 +200,7 @@ def test_a_search_on_two_nodes_runs_its_trials_at_once(cluster, tiny_model_dir: 
     nodes = {json.loads((out / "raw" / f"{v.replace(':', '_').replace('+', '_')}.0.json").read_text())["node"]["node_id"]
              for v in measured}  # fmt: skip
     assert len(measured) < 2 or len(nodes) == 2  # two trials at once: a node each
+    built = [
+        json.loads(m.read_text())["chain"] for m in (tmp_path / "cache").glob("variants/*/manifest.json")
+    ]
+    assert built or not any("drop-layers" in v for v in measured)  # builds in the cache every node reads

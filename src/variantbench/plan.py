@@ -290,6 +290,8 @@ class ExecutionPlan(_Section):
     executor: Literal["local", "inline", "ray"] = Field("local", description="local: each job in its own process; inline: in this process; ray: each job a Ray task, one per node, the variants at once")  # fmt: skip
     address: str | None = Field(None, description="ray: the cluster's address (default: RAY_ADDRESS, else a local cluster of this machine)")  # fmt: skip
     retries: int = Field(1, ge=0, le=5, description="ray: times a job is run again when its worker or node dies")  # fmt: skip
+    memory_gb: float | None = Field(None, gt=0, description="ray: memory each job reserves on its node (Ray's memory resource; default: none reserved)")  # fmt: skip
+    shared_cache: Path | None = Field(None, description="ray: the variant cache as every node sees it (a shared filesystem path), set as VARIANTBENCH_CACHE in every job")  # fmt: skip
     interleave: bool = Field(True, description="load every variant at once and alternate between them in rounds, so drift lands on all alike")  # fmt: skip
     block_s: float = Field(
         10.0, gt=0, description="server scenario, interleaved: seconds of arrivals per block"

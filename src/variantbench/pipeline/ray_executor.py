@@ -11,8 +11,9 @@ Results: a measurement's query records come back in its payload and are appended
 query log here (the node writes its log to a private temporary file), so the log, the raw payloads
 and the report are a local run's; each payload also says which node ran it (``node``: Ray's node
 id, host, IP, CPU model and flags). Builds are cached in the variantbench cache, which must be the
-same path on every node (one machine, or a shared filesystem with ``VARIANTBENCH_CACHE``); a node
-that cannot see an artifact fails that job with one line.
+same path on every node (one machine, or a shared filesystem: ``execution.shared_cache`` sets
+``VARIANTBENCH_CACHE`` in every job); a node that cannot see an artifact fails that job with one
+line. ``execution.memory_gb`` reserves Ray's memory resource for each job.
 
 Faults: a job whose worker or node died (not one that raised: that is its result) is submitted
 again, at most ``retries`` times; each retry and its reason are kept in the payload (``retried``).
@@ -81,9 +82,8 @@ class RayExecutor:
     """Jobs as Ray tasks, one per node at a time (``NODE_RESOURCE``); thread-safe, so the pipeline
     may run every variant's jobs at once from threads of its own."""
 
-    def __init__(
-        self, address: str | None = None, retries: int = 1, cpus: int | None = None, gpus: int = 0
-    ) -> None:
+    def __init__(self, address: str | None = None, retries: int = 1, cpus: int | None = None, gpus: int = 0,
+                 memory_gb: float | None = None, shared_cache: str | None = None) -> None:  # fmt: skip
         import ray
 
         self.retries = retries
@@ -92,6 +92,11 @@ class RayExecutor:
         self.gpus = gpus  # a CUDA variant's job holds a GPU of its node as well
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
             raise UserError("model.device is CUDA but no node of the Ray cluster offers a GPU")
+        self.options: dict[str, Any] = {}
+        if memory_gb:  # Ray admits a job to a node only with this much of its memory unreserved
+            self.options["memory"] = int(memory_gb * 2**30)
+        if shared_cache:  # every job reads and writes builds where every node sees them
+            self.options["runtime_env"] = {"env_vars": {"VARIANTBENCH_CACHE": shared_cache}}
         self._task = ray.remote(_run_on_node)
         self._events = ray.remote(num_cpus=0)(_Events)
 
@@ -106,7 +111,7 @@ class RayExecutor:
         while True:
             events = self._events.remote()
             ref = self._task.options(num_cpus=self.cpus, num_gpus=self.gpus, resources={NODE_RESOURCE: 1},
-                                     max_retries=0, name=job.id).remote(job, events)  # fmt: skip
+                                     max_retries=0, name=job.id, **self.options).remote(job, events)  # fmt: skip
             try:
                 while True:
                     try:

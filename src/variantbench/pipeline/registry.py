@@ -13,9 +13,8 @@ def _ray(plan: Any) -> Executor:
     from variantbench.pipeline.ray_executor import RayExecutor  # Ray only when asked for
 
     e = plan.execution
-    return RayExecutor(
-        address=e.address, retries=e.retries, gpus=1 if plan.model.device.startswith("cuda") else 0
-    )
+    return RayExecutor(address=e.address, retries=e.retries, gpus=1 if plan.model.device.startswith("cuda") else 0,
+                       memory_gb=e.memory_gb, shared_cache=str(e.shared_cache) if e.shared_cache else None)  # fmt: skip
 
 
 EXECUTORS: dict[str, Callable[[Any], Executor]] = {

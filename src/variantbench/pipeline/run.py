@@ -191,6 +191,10 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         from variantbench.ray_cluster import preflight
 
         preflight(plan.execution.address)
+        if plan.execution.shared_cache:  # the base model prepared here where every node reads it too
+            import os
+
+            os.environ["VARIANTBENCH_CACHE"] = str(plan.execution.shared_cache)
     # a bad workload file or fidelity text stops the run before any model is converted or loaded
     checked = _load_file(plan, console) if plan.workload.file else None
     if plan.quality.fidelity_text is not None and not plan.quality.fidelity_text.is_file():
