@@ -26,6 +26,19 @@ def _cli(
     )
 
 
+def _cli_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in this process (typer's runner): for checks of the plan that fail before any
+    work, where a process of their own cost 2.5 s each; exit code and stderr as a subprocess gives."""
+    from typer.testing import CliRunner
+
+    from variantbench.cli import app
+
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    crashed = result.exception is not None and not isinstance(result.exception, SystemExit)
+    stderr = result.stderr + ("Traceback: " + repr(result.exception) if crashed else "")
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, stderr)
+
+
 def _assert_user_error(proc: subprocess.CompletedProcess[str], needle: str, status_lines: int = 0) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -48,7 +61,7 @@ def test_unknown_variant(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tasks", ["0", "-3"])
 def test_non_positive_task_count(tmp_path: Path, tasks: str) -> None:
-    _assert_user_error(_cli("run", "--tasks", tasks, "--out", str(tmp_path)), "--tasks")
+    _assert_user_error(_cli_here("run", "--tasks", tasks, "--out", str(tmp_path)), "--tasks")
 
 
 def test_unwritable_output_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -266,7 +279,12 @@ def test_model_file_that_is_not_gguf(tmp_path: Path) -> None:
     ],
 )
 def test_bad_load_settings(tmp_path: Path, args: list[str], needle: str) -> None:
-    _assert_user_error(_cli("run", *args, "--out", str(tmp_path)), needle)
+    _assert_user_error(_cli_here("run", *args, "--out", str(tmp_path)), needle)
+
+
+def test_a_bad_setting_is_one_line_from_a_process_of_its_own(tmp_path: Path) -> None:
+    """The in-process checks above, once as a user meets them: a process, its exit code, its stderr."""
+    _assert_user_error(_cli("run", "--rate", "2", "--out", str(tmp_path)), "not a setting of the single-stream")
 
 
 def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> None:
