@@ -165,6 +165,8 @@ def test_a_search_on_the_tiny_model_finds_a_non_dominated_front_and_resumes(
     )
     later = json.loads((out / "search.json").read_text())["trials"]
     assert len(later) == 6 and later[:5] == [{**t, "front": later[i]["front"]} for i, t in enumerate(trials)]
+    report = json.loads((out / "report.json").read_text())  # the earlier session's trials stay in the report
+    assert {t["variant"] for t in later if t["state"] == "measured"} <= {r["variant"] for r in report["runs"]}
     # another space in the same folder is one line, not a mixed search
     space.write_text(SPACE.replace("high: 2", "high: 3"))
     other = _cli("search", "--budget", "8", *common)

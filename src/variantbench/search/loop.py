@@ -226,6 +226,9 @@ class _Searcher:
         ctx = self.ctx
         done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
         left = self.s.budget - len(done)
+        for raw in ctx.raws:  # trials measured by earlier sessions stay in the report
+            if raw.get("variant") and raw["variant"] not in ctx.order:
+                ctx.order.append(raw["variant"])
         if resume:
             self.console.print(f"[dim]resuming the search in {ctx.plan.out}: {len(done)} trial(s) finished, "
                                f"{max(left, 0)} to go[/dim]")  # fmt: skip
