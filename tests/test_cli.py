@@ -284,7 +284,9 @@ def test_bad_load_settings(tmp_path: Path, args: list[str], needle: str) -> None
 
 def test_a_bad_setting_is_one_line_from_a_process_of_its_own(tmp_path: Path) -> None:
     """The in-process checks above, once as a user meets them: a process, its exit code, its stderr."""
-    _assert_user_error(_cli("run", "--rate", "2", "--out", str(tmp_path)), "not a setting of the single-stream")
+    _assert_user_error(
+        _cli("run", "--rate", "2", "--out", str(tmp_path)), "not a setting of the single-stream"
+    )
 
 
 def test_server_scenario_report_fields(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -47,6 +47,7 @@ from variantbench.search.space import SearchSpace
 from variantbench.variants.spec import VariantSpec
 
 STUDY = "variantbench-search"
+MAX_REPEATS = 50  # draws in a row of chains tried before: the sampler has run out of the space
 SAMPLERS = ("nsga2", "tpe", "random")
 
 
@@ -214,6 +215,7 @@ class _Searcher:
         )
         self.user_plan = user_plan
         self.lock = threading.Lock()
+        self.inflight: dict[str, threading.Event] = {}  # chains being measured now (trials at once)
         self.staged = not any("early stop off" in n for n in notes)
         self.report: Report = ctx.header
         self.standard = ctx.header.standard or ctx.plan.standard_variant
@@ -221,10 +223,15 @@ class _Searcher:
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self, resume: bool) -> Outcome:
+        """Trials until ``budget`` chains have been tried (built and measured, stopped early or
+        failed). A chain drawn again costs nothing and does not count: the sampler is told its
+        first trial's outcome. A sampler that draws nothing new ``MAX_REPEATS`` times in a row has
+        run out of the space, and the search ends there."""
         import optuna
 
         ctx = self.ctx
-        done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
+        done = [t for t in self.study.get_trials(deepcopy=False)
+                if t.state.is_finished() and t.user_attrs.get("state") != "repeat"]  # fmt: skip
         left = self.s.budget - len(done)
         for raw in ctx.raws:  # trials measured by earlier sessions stay in the report
             if raw.get("variant") and raw["variant"] not in ctx.order:
@@ -235,26 +242,32 @@ class _Searcher:
         for note in self.notes:
             self.console.print(f"[dim]{note}[/dim]")
         at_once = ctx.executor.capacity() if isinstance(ctx.executor, Concurrent) else 1
+        repeats = 0
         with run_progress(self.console) as progress:
             if not any(r.get("variant") == self.standard for r in ctx.raws):
                 self._measure_whole(self.standard, progress)  # the reference every quality ratio needs
             self.report = ctx.assemble()
-            while left > 0:
+            while left > 0 and repeats < MAX_REPEATS:
                 batch = [self.study.ask() for _ in range(min(left, max(1, at_once)))]
                 if len(batch) == 1:
-                    self._trial(batch[0], progress)
+                    new = [self._trial(batch[0], progress)]
                 else:
                     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
-                        for f in [pool.submit(self._trial, t, progress) for t in batch]:
-                            f.result()
-                left -= len(batch)
+                        new = [f.result() for f in [pool.submit(self._trial, t, progress) for t in batch]]
+                left -= sum(new)
+                repeats = 0 if any(new) else repeats + len(new)
                 self._write()
+        if repeats >= MAX_REPEATS:
+            self.notes.append(f"stopped after {MAX_REPEATS} draws in a row of chains tried before: the sampler "
+                              "has run out of the space (a larger space, or another --sampler, goes further)")  # fmt: skip
+            self.console.print(f"[yellow]{self.notes[-1]}[/yellow]")
         self._write()
         states = {t.state for t in self.study.get_trials(deepcopy=False)}
         assert optuna.trial.TrialState.RUNNING not in states
         return self._outcome()
 
-    def _trial(self, trial: Any, progress: Any) -> None:
+    def _trial(self, trial: Any, progress: Any) -> bool:
+        """One drawn trial, told to the study; False where its chain was tried before (no new run)."""
         import optuna
 
         started = time.perf_counter()
@@ -263,31 +276,52 @@ class _Searcher:
         except UserError as exc:
             trial.set_user_attr("note", str(exc))
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return
+            return True
         trial.set_user_attr("variant", name)
         with self.lock:
+            running = self.inflight.get(name)
+            if running is None:
+                self.inflight[name] = threading.Event()
+        if running is not None:  # the same chain drawn twice in one batch: wait for the first
+            running.wait()
+        with self.lock:
             earlier = self._earlier(name)
-        if earlier is not None:  # the sampler drew a chain tried before: its outcome again, no new run
+        if earlier is not None or name == self.standard:  # tried before: its outcome again, no new run
             trial.set_user_attr("state", "repeat")
-            trial.set_user_attr("note", f"as trial {earlier.number}")
-            if earlier.state == optuna.trial.TrialState.COMPLETE:
-                self.study.tell(trial, list(earlier.values))
+            if earlier is None:  # the standard, measured first as the reference
+                trial.set_user_attr("note", "the standard (measured first)")
+                values = self._read(self.report.run(self.standard)) if self.report.run(self.standard) else {}
+                if len(values) == len(self.s.objectives):
+                    self.study.tell(trial, [values[o.name] for o in self.s.objectives])
+                else:
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             else:
-                self.study.tell(trial, state=earlier.state)
-            return
-        state, values, note = self._measure(name, progress)
-        trial.set_user_attr("state", state)
-        trial.set_user_attr("seconds", round(time.perf_counter() - started, 1))
-        if note:
-            trial.set_user_attr("note", note)
-        if values is not None:
-            trial.set_user_attr("values", values)
-        if state == "measured" and values is not None:
-            self.study.tell(trial, [values[o.name] for o in self.s.objectives])
-        elif state == "pruned":
-            self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        else:
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                trial.set_user_attr("note", f"as trial {earlier.number}")
+                if earlier.state == optuna.trial.TrialState.COMPLETE:
+                    self.study.tell(trial, list(earlier.values))
+                else:
+                    self.study.tell(trial, state=earlier.state)
+            if running is None:
+                self.inflight.pop(name).set()
+            return False
+        try:
+            state, values, note = self._measure(name, progress)
+            trial.set_user_attr("state", state)
+            trial.set_user_attr("seconds", round(time.perf_counter() - started, 1))
+            if note:
+                trial.set_user_attr("note", note)
+            if values is not None:
+                trial.set_user_attr("values", values)
+            if state == "measured" and values is not None:
+                self.study.tell(trial, [values[o.name] for o in self.s.objectives])
+            elif state == "pruned":
+                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        finally:
+            with self.lock:
+                self.inflight.pop(name).set()
+        return True
 
     def _earlier(self, name: str) -> Any:
         """The first finished trial of the same chain (measured, stopped early or failed), if any."""
