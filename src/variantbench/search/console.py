@@ -14,7 +14,7 @@ def search_table(outcome: Outcome) -> Table:
     o = outcome.objectives
     table = Table(title=f"variant search: {len(outcome.trials)} trials (* on the Pareto front)")
     table.add_column("#", justify="right")
-    table.add_column("variant")
+    table.add_column("variant", overflow="fold")
     table.add_column("state")
     for x in o:
         table.add_column(f"{x.label} ({'max' if x.direction == 'maximize' else 'min'})", justify="right")
