@@ -110,7 +110,9 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16,int8")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="no-op jobs per executor for the overhead")
-    ap.add_argument("--model", default=None, help="a model folder or GGUF (default: the bundled default model)")
+    ap.add_argument(
+        "--model", default=None, help="a model folder or GGUF (default: the bundled default model)"
+    )
     args = ap.parse_args()
 
     from variantbench.environment import describe_environment
@@ -128,7 +130,11 @@ def main() -> None:
 
     print(f"\n2. the same plan ({args.variants}, {args.tasks} tasks) inline, on Ray (one node), inline again")
     with tempfile.TemporaryDirectory() as tmp:
-        folders = {"inline 1": Path(tmp) / "inline1", "ray": Path(tmp) / "ray", "inline 2": Path(tmp) / "inline2"}
+        folders = {
+            "inline 1": Path(tmp) / "inline1",
+            "ray": Path(tmp) / "ray",
+            "inline 2": Path(tmp) / "inline2",
+        }
         reports, walls = {}, {}
         for name, folder in folders.items():
             extra = ("--executor", "ray") if name == "ray" else ("--no-isolate",)
@@ -138,7 +144,9 @@ def main() -> None:
         same = outputs(folders["ray"]) == outputs(folders["inline 1"]) == outputs(folders["inline 2"])
         chain_s = chains(folders["ray"])
     agree_all = True
-    print(f"\n   {'variant':10} {'metric':15} {'inline 1':>10} {'ray':>10} {'inline 2':>10}  within the noise?")
+    print(
+        f"\n   {'variant':10} {'metric':15} {'inline 1':>10} {'ray':>10} {'inline 2':>10}  within the noise?"
+    )
     for variant in args.variants.split(","):
         for metric, (path, fmt) in METRICS.items():
             a, r, b = (_get(runs[n].get(variant, {}), path) for n in ("inline 1", "ray", "inline 2"))

@@ -80,6 +80,7 @@ def test_two_variants_at_once_on_two_nodes_give_a_local_runs_report(
         assert a["queries"] == b["queries"] and a["resources"]["param_bytes"] == b["resources"]["param_bytes"]
         assert a["quality"]["composite"] == b["quality"]["composite"]
         assert a["resources"]["startup_cold_s"] > 0  # the cold start ran as a job on a node too
+        assert a["backend"]["threads"] == b["backend"]["threads"]  # not Ray's OMP_NUM_THREADS=1
     assert _outputs(tmp_path / "ray") == _outputs(tmp_path / "inline")  # greedy answers, token for token
     # each measurement on a node of its own, named in its payload and in the report
     nodes = {
