@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,7 +151,9 @@ def main() -> None:
              for v in args.variants.split(",") for m in timed]  # fmt: skip
     noise = max((abs(a - b) / ((a + b) / 2) for a, b in pairs if a and b), default=0.0)
     print(f"\n   run-to-run noise of the timed numbers (largest inline 1 / inline 2 difference): {noise:.1%}")
-    print(f"   {'variant':10} {'metric':15} {'inline 1':>10} {'ray':>10} {'inline 2':>10}  ray vs the inline mean")
+    print(
+        f"   {'variant':10} {'metric':15} {'inline 1':>10} {'ray':>10} {'inline 2':>10}  ray vs the inline mean"
+    )
     for variant in args.variants.split(","):
         for metric, (path, fmt) in METRICS.items():
             a, r, b = (_get(runs[n].get(variant, {}), path) for n in ("inline 1", "ray", "inline 2"))
@@ -166,7 +167,9 @@ def main() -> None:
             ok = off <= noise if metric in timed else r == a == b  # quality and bytes: the same, exactly
             agree_all &= ok
             cells = " ".join(f"{fmt.format(v / scale):>10}" for v in (a, r, b))
-            print(f"   {variant:10} {metric:15} {cells}  {off:6.1%} {'within the noise' if ok else 'OUTSIDE'}")
+            print(
+                f"   {variant:10} {metric:15} {cells}  {off:6.1%} {'within the noise' if ok else 'OUTSIDE'}"
+            )
     print(f"   greedy answers identical in all three runs: {'yes' if same else 'NO'}")
     print(f"   every number within the noise: {'yes' if agree_all else 'NO'}")
 
