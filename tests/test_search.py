@@ -184,3 +184,12 @@ def test_a_search_on_the_tiny_model_finds_a_non_dominated_front_and_resumes(
     traces = page.evaluate("document.getElementById('fig-pareto').data.map(t => t.name)")
     page.close()
     assert errors == [] and "Pareto front" in traces and "the standard" in traces
+
+
+def test_every_shipped_space_reads() -> None:
+    from variantbench.search.space import load_space
+
+    spaces = sorted((Path(__file__).resolve().parents[1] / "plans" / "spaces").glob("*.yaml"))
+    assert spaces
+    for path in spaces:
+        assert load_space(path).steps

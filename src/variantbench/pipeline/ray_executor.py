@@ -25,6 +25,7 @@ event per half second: a measuring node must not spend its time reporting.
 from __future__ import annotations
 
 from dataclasses import replace
+import itertools
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ def _whole_node() -> None:
     torch.set_num_threads(min(psutil.cpu_count(logical=False) or usable_cores(), usable_cores()))
 
 
-def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
+def _run_on_node(job: Job, events: Any, key: str) -> dict[str, Any]:
     """The Ray task: the job run in this worker, its events sent on, its node named in the result."""
     import tempfile
 
@@ -72,7 +73,7 @@ def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
         if event[0] == "progress" and now - last["at"] < PROGRESS_EVERY_S and event[2] != event[3]:
             return
         last["at"] = now
-        events.put.remote(event)
+        events.put.remote(key, event)
 
     if isinstance(job, MeasureJob):  # its log on this node, its records in the result
         job = replace(job, log_path=os.path.join(tempfile.mkdtemp(prefix="variantbench-"), "queries.jsonl"))
@@ -85,17 +86,17 @@ def _run_on_node(job: Job, events: Any) -> dict[str, Any]:
 
 
 class _Events:
-    """A job's events, kept until the driver takes them."""
+    """Every running job's events, by job, kept until the driver takes them. One actor for the
+    executor: an actor a job cost a worker process of its own, most of a second a job."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[Any, ...]] = []
+        self.items: dict[str, list[tuple[Any, ...]]] = {}
 
-    def put(self, event: tuple[Any, ...]) -> None:
-        self.items.append(event)
+    def put(self, key: str, event: tuple[Any, ...]) -> None:
+        self.items.setdefault(key, []).append(event)
 
-    def drain(self) -> list[tuple[Any, ...]]:
-        items, self.items = self.items, []
-        return items
+    def drain(self, key: str) -> list[tuple[Any, ...]]:
+        return self.items.pop(key, [])
 
 
 class RayExecutor:
@@ -117,8 +118,12 @@ class RayExecutor:
             self.options["memory"] = int(memory_gb * 2**30)
         if shared_cache:  # every job reads and writes builds where every node sees them
             self.options["runtime_env"] = {"env_vars": {"VARIANTBENCH_CACHE": shared_cache}}
-        self._task = ray.remote(_run_on_node)
-        self._events = ray.remote(num_cpus=0)(_Events)
+        # a fresh worker process a job (max_calls=1), as the local executor spawns one: a reused worker
+        # kept what earlier jobs left in its memory (a distillation's teacher) and read it as this
+        # job's peak RSS
+        self._task = ray.remote(max_calls=1)(_run_on_node)
+        self._events = ray.remote(num_cpus=0)(_Events).remote()
+        self._count = itertools.count()
 
     def capacity(self) -> int:
         return self.nodes
@@ -129,18 +134,18 @@ class RayExecutor:
 
         retried: list[str] = []
         while True:
-            events = self._events.remote()
+            events, key = self._events, f"{job.id}#{next(self._count)}"
             ref = self._task.options(num_cpus=self.cpus, num_gpus=self.gpus, resources={NODE_RESOURCE: 1},
-                                     max_retries=0, name=job.id, **self.options).remote(job, events)  # fmt: skip
+                                     max_retries=0, name=job.id, **self.options).remote(job, events, key)  # fmt: skip
             try:
                 while True:
                     try:
                         result = ray.get(ref, timeout=0.25)
                         break
                     except GetTimeoutError:
-                        for event in ray.get(events.drain.remote()):
+                        for event in ray.get(events.drain.remote(key)):
                             on_event(event)
-                for event in ray.get(events.drain.remote()):
+                for event in ray.get(events.drain.remote(key)):
                     on_event(event)
             except RayTaskError as exc:  # the job raised: its reason, as the local executor gives it
                 cause = getattr(exc, "cause", None)
@@ -158,7 +163,7 @@ class RayExecutor:
                 on_event(("status", f"retrying after {reason}"))
                 continue
             finally:
-                ray.kill(events)
+                events.drain.remote(key)  # what a failed attempt left
             if retried:
                 result["retried"] = retried
             if isinstance(job, MeasureJob) and "records" in result:
