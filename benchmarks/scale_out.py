@@ -6,10 +6,12 @@
    millisecond of work) run ``--jobs`` times by each executor: inline (this process), local (a
    spawned process a job) and Ray (a task on a local one-node cluster). What a job costs beyond
    its own work is the executor's share.
-2. Correctness: the same plan of k variants run inline, on Ray, and inline again (in that order, so a
-   drift of the machine shows in the two inline runs). Per variant: output tokens/s, latency p50,
+2. Correctness: the same plan of k variants run on the default executor (a spawned process a job),
+   on Ray, and on the default executor again (in that order, so a drift of the machine shows in the
+   two local runs). Both give every job a fresh process; an inline run would not (its later
+   variants ran in a process the earlier ones had warmed, and int8 read 30% faster there). Per variant: output tokens/s, latency p50,
    composite quality, weights in memory, and whether the greedy answers are identical. A timed
-   number on Ray must lie within the run-to-run noise of the mean of the two inline runs (the noise:
+   number on Ray must lie within the run-to-run noise of the mean of the two local runs (the noise:
    their largest relative difference over every timed number); quality and bytes must be equal.
 3. The speed-up on N machines, from the Ray run's own job times: each variant is a chain of jobs
    (build, measure, cold start) that must run on one node in order; on N nodes the chains run at
@@ -127,36 +129,39 @@ def main() -> None:
     for name, seconds in overhead.items():
         print(f"   {name:14} {seconds * 1000:10.1f} ms a job")
 
-    print(f"\n2. the same plan ({args.variants}, {args.tasks} tasks) inline, on Ray (one node), inline again")
+    print(
+        f"\n2. the same plan ({args.variants}, {args.tasks} tasks) on the local executor, on Ray (one node), "
+        "on the local executor again"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         folders = {
-            "inline 1": Path(tmp) / "inline1",
+            "local 1": Path(tmp) / "local1",
             "ray": Path(tmp) / "ray",
-            "inline 2": Path(tmp) / "inline2",
+            "local 2": Path(tmp) / "local2",
         }
         reports, walls = {}, {}
         for name, folder in folders.items():
-            extra = ("--executor", "ray") if name == "ray" else ("--no-isolate",)
+            extra = ("--executor", "ray") if name == "ray" else ()  # the default: a spawned process a job
             reports[name], walls[name] = run_plan(folder, args.variants, args.tasks, args.model, *extra)
             print(f"   {name:9} wall {walls[name]:7.1f} s", flush=True)
         runs = {name: {r["variant"]: r for r in rep["runs"]} for name, rep in reports.items()}
-        same = outputs(folders["ray"]) == outputs(folders["inline 1"]) == outputs(folders["inline 2"])
+        same = outputs(folders["ray"]) == outputs(folders["local 1"]) == outputs(folders["local 2"])
         chain_s = chains(folders["ray"])
     agree_all = True
-    # the run-to-run noise of a timed number: the largest relative difference between the two inline
+    # the run-to-run noise of a timed number: the largest relative difference between the two local
     # runs over every timed metric of every variant (two runs per metric alone give a band too narrow
     # to mean anything: one metric's pair can agree to 2% while another's differ by 20%)
     timed = ("tokens/s", "latency p50 ms")
-    pairs = [(_get(runs["inline 1"].get(v, {}), METRICS[m][0]), _get(runs["inline 2"].get(v, {}), METRICS[m][0]))
+    pairs = [(_get(runs["local 1"].get(v, {}), METRICS[m][0]), _get(runs["local 2"].get(v, {}), METRICS[m][0]))
              for v in args.variants.split(",") for m in timed]  # fmt: skip
     noise = max((abs(a - b) / ((a + b) / 2) for a, b in pairs if a and b), default=0.0)
-    print(f"\n   run-to-run noise of the timed numbers (largest inline 1 / inline 2 difference): {noise:.1%}")
+    print(f"\n   run-to-run noise of the timed numbers (largest local 1 / local 2 difference): {noise:.1%}")
     print(
-        f"   {'variant':10} {'metric':15} {'inline 1':>10} {'ray':>10} {'inline 2':>10}  ray vs the inline mean"
+        f"   {'variant':10} {'metric':15} {'local 1':>10} {'ray':>10} {'local 2':>10}  ray vs the local mean"
     )
     for variant in args.variants.split(","):
         for metric, (path, fmt) in METRICS.items():
-            a, r, b = (_get(runs[n].get(variant, {}), path) for n in ("inline 1", "ray", "inline 2"))
+            a, r, b = (_get(runs[n].get(variant, {}), path) for n in ("local 1", "ray", "local 2"))
             if None in (a, r, b):
                 print(f"   {variant:10} {metric:15} (missing)")
                 agree_all = False
