@@ -65,9 +65,14 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
         assert view["itl_ms"]["count"] == 6 * 11  # one gap per token after the first, 12 tokens each
         # the tiny model's random tokens are often bytes with no text of their own, streamed with the
         # next token's: the client's first token can be the server's second, so TTFT is compared
-        # loosely here (benchmarks/server_agreement.py holds the default model to 10%)
+        # loosely here, as a gap of at most one token and the client's HTTP path (5 ms on a busy
+        # 2-core host; a ratio bound failed at 2.02 on a 5.4 ms server TTFT): the default model is
+        # held to 10% by benchmarks/server_agreement.py
         ratio = view["client_over_server_p50"]
-        assert 0.8 < ratio["ttft"] < 2.0 and 0.8 < ratio["itl"] < 1.3, view
+        gap = run["ttft_ms"]["p50"] - view["ttft_ms"]["p50"]
+        assert ratio["ttft"] > 0.8 and gap < 2 * view["itl_ms"]["p50"] + 5.0 and 0.8 < ratio["itl"] < 1.3, (
+            view
+        )
     assert "## The server's own latency histograms" in (out / "report.md").read_text()
     assert not any("_bucket{" in k for _, series in scraped["samples"] for k in series)
     # the plan written back replays the same comparison: the variants and their endpoints
