@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from variantbench.backends.base import GenerationRequest, GenerationResult
-from variantbench.loadgen.sut import OnComplete, Pending, rebase, until
+from variantbench.loadgen.sut import OnComplete, Pending, rebase, send_slice
 from variantbench.ray_cluster import NODE_RESOURCE, connect
 
 POLL_S = 0.005
@@ -77,35 +77,20 @@ class _Sender:
         assert self.held is not None, "start before arm"
         items, cap = self.held
         self.held = None
-        asyncio.run_coroutine_threadsafe(self._dispatch(items, cap, start_ns), self.loop)
+        asyncio.run_coroutine_threadsafe(
+            send_slice(self.backend, items, cap, start_ns, self._done), self.loop
+        )
 
     def send_now(self, items: list[tuple[str, int, GenerationRequest]]) -> None:
-        asyncio.run_coroutine_threadsafe(self._dispatch(items, None, time.perf_counter_ns()), self.loop)
+        now = time.perf_counter_ns()
+        asyncio.run_coroutine_threadsafe(send_slice(self.backend, items, None, now, self._done), self.loop)
 
     def drain(self) -> list[tuple[str, int, GenerationResult]]:
         with self.lock:
             done, self.done = self.done, []
         return done
 
-    async def _dispatch(
-        self, items: list[tuple[str, int, GenerationRequest]], cap: int | None, start: int
-    ) -> None:
-        slot = asyncio.Semaphore(cap) if cap else None
-        for request_id, offset, request in items:
-            await until(start + offset)
-            if slot is not None:
-                await slot.acquire()
-            self.loop.create_task(self._one(request_id, request, slot))
-
-    async def _one(self, request_id: str, request: GenerationRequest, slot: asyncio.Semaphore | None) -> None:
-        issued = time.perf_counter_ns()
-        try:
-            result = await self.backend.agenerate(request)
-        except Exception as exc:  # noqa: BLE001 - a backend bug is a failed query
-            result = GenerationResult(request_id, status="error", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            if slot is not None:
-                slot.release()
+    def _done(self, request_id: str, issued: int, result: GenerationResult) -> None:
         if not result.end_ns:
             result.end_ns = time.perf_counter_ns()
         with self.lock:

@@ -25,7 +25,7 @@ import time
 from typing import Any, Protocol, runtime_checkable
 
 from variantbench.backends.base import Backend, ConcurrentBackend, GenerationRequest, GenerationResult
-from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, rebase, until
+from variantbench.loadgen.sut import AsyncSUT, OnComplete, Pending, ThreadedSUT, rebase, send_slice
 
 READY_TIMEOUT_S = 120.0
 
@@ -44,24 +44,11 @@ def _sender_main(sender: int, backend_blob: bytes, inbox: Any, outbox: Any) -> N
     gc.collect()
     gc.freeze()  # no full collection walking the imports mid-schedule
 
-    async def one(request_id: str, request: GenerationRequest, slot: asyncio.Semaphore | None) -> None:
-        issued = time.perf_counter_ns()
-        try:
-            result = await backend.agenerate(request)
-        except Exception as exc:  # noqa: BLE001 - a backend bug is a failed query
-            result = GenerationResult(request_id, status="error", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            if slot is not None:
-                slot.release()
+    def done(request_id: str, issued: int, result: GenerationResult) -> None:
         outbox.put(("done", sender, request_id, issued, result))
 
-    async def dispatch(items: list[tuple[str, int, GenerationRequest]], cap: int | None, start: int) -> None:
-        slot = asyncio.Semaphore(cap) if cap else None
-        for request_id, offset, request in items:
-            await until(start + offset)
-            if slot is not None:
-                await slot.acquire()
-            loop.create_task(one(request_id, request, slot))
+    def dispatch(items: list[tuple[str, int, GenerationRequest]], cap: int | None, start: int) -> Any:
+        return send_slice(backend, items, cap, start, done)
 
     def reader() -> None:
         held = None  # a slice taken in, waiting for the start every sender agrees on

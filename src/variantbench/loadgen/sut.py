@@ -58,6 +58,35 @@ async def until(at_ns: int) -> None:
         await asyncio.sleep(0)
 
 
+Done = Callable[[str, int, GenerationResult], None]  # (request id, issued at, result)
+
+
+async def send_slice(backend: Any, items: list[tuple[str, int, GenerationRequest]], cap: int | None, start: int,
+                     done: Done) -> None:  # fmt: skip
+    """A sender's slice on its loop: each request at ``start`` + its offset, at most ``cap`` at once;
+    ``done`` hears each answer (a backend that raises gives a failed result). A sender process and a
+    Ray sender actor both send this way."""
+    loop = asyncio.get_running_loop()
+    slot = asyncio.Semaphore(cap) if cap else None
+
+    async def one(request_id: str, request: GenerationRequest) -> None:
+        issued = time.perf_counter_ns()
+        try:
+            result = await backend.agenerate(request)
+        except Exception as exc:  # noqa: BLE001 - a backend bug is a failed query
+            result = GenerationResult(request_id, status="error", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if slot is not None:
+                slot.release()
+        done(request_id, issued, result)
+
+    for request_id, offset, request in items:
+        await until(start + offset)
+        if slot is not None:
+            await slot.acquire()
+        loop.create_task(one(request_id, request))
+
+
 class Pending:
     __slots__ = ("record", "request", "done")
 

@@ -352,7 +352,7 @@ class RunContext:
         """One variant-repeat's raw result written and kept (a failure too: it is data)."""
         payload.setdefault("variant", variant)
         payload.setdefault("repeat", repeat)
-        _write_json(self.raw_dir / f"{_safe(variant)}.{repeat}.json", payload)
+        _write_json(self.raw_dir / f"{safe_name(variant)}.{repeat}.json", payload)
         self.raws.append(payload)
 
     def assemble(self) -> Report:
@@ -364,11 +364,11 @@ class RunContext:
         return report
 
 
-def _failed(variant: str, repeat: int, error: str) -> dict[str, Any]:
+def failed_payload(variant: str, repeat: int, error: str) -> dict[str, Any]:
     return {"variant": variant, "repeat": repeat, "status": "failed", "error": error}
 
 
-def _one_repeat(
+def one_repeat(
     ctx: RunContext, variant: str, repeat: int, artifact: Artifact | None, build_error: str | None,
     display: Display, started: float,
 ) -> tuple[dict[str, Any], list[QueryRecord]]:  # fmt: skip
@@ -387,7 +387,7 @@ def _one_repeat(
         return payload, records
     except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
         display.finish("[red]failed[/red]")
-        return _failed(variant, repeat, str(exc)), []
+        return failed_payload(variant, repeat, str(exc)), []
 
 
 def _measure_one_by_one(ctx: RunContext, progress: Progress) -> Report:
@@ -398,7 +398,7 @@ def _measure_one_by_one(ctx: RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
+            payload, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             ctx.records.extend(records)
             ctx.keep(variant, repeat, payload)
         report = ctx.assemble()
@@ -421,7 +421,7 @@ def _measure_at_once(ctx: RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            payload, records = _one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
+            payload, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             with lock:
                 ctx.records.extend(records)
                 ctx.keep(variant, repeat, payload)
@@ -457,7 +457,7 @@ def _measure_interleaved(ctx: RunContext, progress: Progress, console: Console) 
             ctx.records.extend(outcome.records.get(variant, []))
             error = errors.get(variant) or outcome.failures.get(variant)
             if error:
-                payload = _failed(variant, repeat, error)
+                payload = failed_payload(variant, repeat, error)
                 displays[variant].finish("[red]failed[/red]")
             else:
                 payload = outcome.payloads[variant]
@@ -512,7 +512,7 @@ def write_outputs(
         write_queries_csv(records, out / "queries.csv")
     for run in report.runs:
         if run.status == "ok":
-            (out / f"mlperf_log_summary.{_safe(run.variant)}.txt").write_text(run_summary(report, run))
+            (out / f"mlperf_log_summary.{safe_name(run.variant)}.txt").write_text(run_summary(report, run))
     tmp = out / "report.md.tmp"
     tmp.write_text(render(report), encoding="utf-8")
     tmp.replace(out / "report.md")
@@ -549,7 +549,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 

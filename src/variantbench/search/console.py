@@ -23,7 +23,7 @@ def search_table(outcome: Outcome) -> Table:
     if outcome.reference is not None:
         rows = [outcome.reference, *rows]
     for t in rows:
-        values = [("-" if t.values.get(x.name) is None else f"{t.values[x.name] / x.scale:.4g}") for x in o]
+        values = [x.shown(t.values.get(x.name)) for x in o]
         number = "ref" if t.number < 0 else str(t.number)
         table.add_row(number, ("* " if t.front else "") + t.variant, t.state, *values, t.note)
     return table

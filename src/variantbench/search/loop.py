@@ -38,7 +38,16 @@ from variantbench.errors import UserError
 from variantbench.extras import require
 from variantbench.pipeline.executors import Concurrent, JobFailed, Resident
 from variantbench.pipeline.interleave import pass_size
-from variantbench.pipeline.run import Display, RunContext, build_or_error, prepare, run_progress
+from variantbench.pipeline.run import (
+    Display,
+    RunContext,
+    build_or_error,
+    failed_payload,
+    one_repeat,
+    prepare,
+    run_progress,
+    safe_name,
+)
 from variantbench.plan import Plan
 from variantbench.records import QueryRecord
 from variantbench.report.schema import Report, RunReport
@@ -183,28 +192,28 @@ def run_search(plan: Plan, s: SearchSettings, console: Console) -> Outcome:
         resume = True
     ctx = prepare(plan, console, keep=resume)
     study = _open_study(out, s, resume)
-    notes = _notes(ctx, s)
-    searcher = _Searcher(ctx, s, study, identity, console, notes, user_plan)
+    off = _early_stop_off(ctx, s)
+    searcher = _Searcher(
+        ctx, s, study, identity, console, [off] if off else [], user_plan, staged=off is None
+    )
     return searcher.run(resume)
 
 
-def _notes(ctx: RunContext, s: SearchSettings) -> list[str]:
-    notes = []
+def _early_stop_off(ctx: RunContext, s: SearchSettings) -> str | None:
+    """Why a trial cannot stop early here (None: it can)."""
     late = [o.name for o in s.objectives if not o.interim]
     if not s.prune_margin:
-        notes.append("early stop off (--prune-margin 0): every trial measured whole")
-    elif late:
-        notes.append(f"early stop off: {', '.join(late)} is known only at a trial's end")
-    elif not isinstance(ctx.executor, Resident) or ctx.at_once or isinstance(ctx.executor, Concurrent):
-        notes.append(
-            "early stop off: the executor runs each trial as one job (it keeps no session between blocks)"
-        )
-    return notes
+        return "early stop off (--prune-margin 0): every trial measured whole"
+    if late:
+        return f"early stop off: {', '.join(late)} is known only at a trial's end"
+    if not isinstance(ctx.executor, Resident) or isinstance(ctx.executor, Concurrent):
+        return "early stop off: the executor runs each trial as one job (it keeps no session between blocks)"
+    return None
 
 
 class _Searcher:
     def __init__(self, ctx: RunContext, s: SearchSettings, study: Any, identity: dict[str, Any], console: Console,
-                 notes: list[str], user_plan: Plan) -> None:  # fmt: skip
+                 notes: list[str], user_plan: Plan, staged: bool) -> None:  # fmt: skip
         self.ctx, self.s, self.study, self.identity, self.console, self.notes = (
             ctx,
             s,
@@ -216,7 +225,7 @@ class _Searcher:
         self.user_plan = user_plan
         self.lock = threading.Lock()
         self.inflight: dict[str, threading.Event] = {}  # chains being measured now (trials at once)
-        self.staged = not any("early stop off" in n for n in notes)
+        self.staged = staged  # two blocks and the early stop between them
         self.report: Report = ctx.header
         self.standard = ctx.header.standard or ctx.plan.standard_variant
 
@@ -348,18 +357,9 @@ class _Searcher:
         return self._measure_whole(name, progress)
 
     def _measure_whole(self, name: str, progress: Any) -> tuple[str, dict[str, float] | None, str]:
-        ctx = self.ctx
         display = Display(progress, name)
-        artifact, error = build_or_error(ctx, name, display)
-        records: list[QueryRecord] = []
-        if error is None:
-            try:
-                payload = ctx.executor.run(ctx.job(name, 0, artifact), display)
-                records = [QueryRecord.from_json(r) for r in payload.pop("records")]
-            except JobFailed as exc:
-                error = str(exc)
-        if error is not None:
-            payload = {"variant": name, "repeat": 0, "status": "failed", "error": error}
+        artifact, error = build_or_error(self.ctx, name, display)
+        payload, records = one_repeat(self.ctx, name, 0, artifact, error, display, time.perf_counter())
         return self._kept(name, payload, records, display)
 
     def _measure_staged(self, name: str, progress: Any) -> tuple[str, dict[str, float] | None, str]:
@@ -412,7 +412,7 @@ class _Searcher:
                 session.call("batch_rate", BATCH_SIZE, BATCH_NEW, on_event=display)
             payload = session.call("finish", on_event=display)
         except JobFailed as exc:
-            payload = {"variant": name, "repeat": 0, "status": "failed", "error": str(exc)}
+            payload = failed_payload(name, 0, str(exc))
             records = []
         finally:
             session.close()
@@ -446,7 +446,7 @@ class _Searcher:
         """A pruned trial's interim result, apart from the report's runs (its queries are in the log)."""
         folder = self.ctx.plan.out / "pruned"
         folder.mkdir(exist_ok=True)
-        path = folder / f"{''.join(c if c.isalnum() or c in '-_.' else '_' for c in name)}.json"
+        path = folder / f"{safe_name(name)}.json"
         path.write_text(json.dumps({**interim, "queries": len(records)}), encoding="utf-8")
 
     def _standard_run(self) -> tuple[RunReport, list[QueryRecord]] | None:
@@ -544,15 +544,8 @@ def front_yaml(outcome: Outcome, plan: Plan) -> str:
              f"#   variantbench run {outcome.out / 'front.yaml'}",
              f"# objectives: {', '.join(f'{o.name} ({o.direction})' for o in outcome.objectives)}"]  # fmt: skip
     for t in outcome.front:
-        shown = ", ".join(f"{o.name} {_fmt(t.values.get(o.name), o)}" for o in outcome.objectives)
+        shown = ", ".join(f"{o.name} {o.shown(t.values.get(o.name))}" for o in outcome.objectives)
         lines.append(f"#   {t.variant}: {shown}")
     variants = [std, *(n for n in names if n != std)]
     front_plan = plan.model_copy(update={"variants": tuple(variants), "out": outcome.out / "front-run"})
     return "\n".join(lines) + "\n" + dump_plan(front_plan)
-
-
-def _fmt(value: float | None, o: Objective) -> str:
-    if value is None:
-        return "-"
-    v = value / o.scale
-    return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"

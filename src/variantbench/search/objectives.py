@@ -29,6 +29,10 @@ class Objective:
         v = self.read(run)
         return None if v is None else float(v)
 
+    def shown(self, value: float | None) -> str:
+        """The value in the objective's unit, for tables and the front's comments."""
+        return "-" if value is None else f"{value / self.scale:.4g}"
+
     def better(self, a: float, b: float) -> bool:
         return a > b if self.direction == "maximize" else a < b
 

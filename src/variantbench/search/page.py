@@ -70,11 +70,6 @@ def pareto_figure(outcome: Outcome) -> go.Figure | None:
     return fig
 
 
-def _value(t: Trial, name: str, scale: float) -> str:
-    v = t.values.get(name)
-    return "-" if v is None else f"{v / scale:.4g}"
-
-
 def render(outcome: Outcome, front_plan: str) -> str:
     o = outcome.objectives
     measured = [t for t in outcome.trials if t.state == "measured"]
@@ -99,7 +94,7 @@ def render(outcome: Outcome, front_plan: str) -> str:
     front = outcome.front
     parts.append("<h2>The front</h2>")
     if front:
-        rows = [[e(t.variant), *(_value(t, x.name, x.scale) for x in o)] for t in front]
+        rows = [[e(t.variant), *(x.shown(t.values.get(x.name)) for x in o)] for t in front]
         parts.append(table(["variant", *(x.label for x in o)], rows))
         std = "fp32" if outcome.reference is None else outcome.reference.variant
         names = [std, *(t.variant for t in front if t.state != "reference")]
@@ -117,7 +112,7 @@ def render(outcome: Outcome, front_plan: str) -> str:
     if outcome.reference is not None:
         trials = [outcome.reference, *trials]
     rows = [[str(t.number) if t.number >= 0 else "ref", e(t.variant), e(t.state + (" (front)" if t.front else "")),
-             *(_value(t, x.name, x.scale) for x in o), f"{t.seconds:.0f}", e(t.note)] for t in trials]  # fmt: skip
+             *(x.shown(t.values.get(x.name)) for x in o), f"{t.seconds:.0f}", e(t.note)] for t in trials]  # fmt: skip
     parts.append(table(["#", "variant", "state", *(x.label for x in o), "s", "note"], rows, numeric_from=3))
     return page("variantbench search", parts)
 
