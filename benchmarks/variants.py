@@ -20,8 +20,9 @@ from typing import Any
 from variantbench.analysis.diagnosis import decode_rate
 
 DEFAULT = (
-    "fp32,bf16,int8,int8-wo,prune-heads:0.3,drop-layers:15,drop-layers:15+distill,compile,"
-    "onnx-int4,onnx-int8,onnx-fp32"
+    "fp32,bf16,int8,int8:act=token,smooth+int8:act=token,smooth+keep-fp32:8+int8:act=token,"
+    "smooth+qat-int8+int8:act=token,int8-wo,prune-heads:0.3,drop-layers:15,drop-layers:15+distill,"
+    "compile,onnx-int4,onnx-int8,onnx-fp32"
 )
 GGUF = "gguf-f32,gguf-q8_0,gguf-q4_1,gguf-q4_0"  # added when llama-cpp-python is installed
 

@@ -73,7 +73,7 @@ def test_unknown_variant_lists_known_kinds() -> None:
 
 def test_parameters_on_a_kind_without_parameters_are_rejected() -> None:
     with pytest.raises(UserError, match="takes no parameters"):
-        parse_variant("int8:4")
+        parse_variant("bf16:4")
 
 
 def test_recipe_chain_parses_in_order() -> None:

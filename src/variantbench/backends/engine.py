@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import contextlib
 from dataclasses import dataclass, field
 import time
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -115,11 +116,23 @@ class _Modules:
         return torch.cat([m(x) for m in self.modules], dim=-1)
 
 
+@runtime_checkable
+class FusableProjection(Protocol):
+    """A projection module type that can merge several of its kind into one (q/k/v, gate/up):
+    one kernel call instead of several, the output equal to their concatenation."""
+
+    @classmethod
+    def fuse(cls, modules: Sequence[nn.Module]) -> nn.Module: ...
+
+
 def _projection(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
-    # plain Linear layers with plain tensors get our layout; anything else (dynamic int8 modules,
-    # torchao's quantized tensor subclasses) runs through its own module and kernels
+    # plain Linear layers with plain tensors get our layout; a fusable kind (our int8) is merged
+    # into one module; anything else (torchao's quantized tensor subclasses) runs module by module
     if all(type(m) is nn.Linear and type(m.weight.detach()) is torch.Tensor for m in modules):
         return _DenseT(modules)  # type: ignore[arg-type]
+    kinds = {type(m) for m in modules}
+    if len(kinds) == 1 and isinstance(modules[0], FusableProjection):
+        return _Modules([type(modules[0]).fuse(modules)])
     return _Modules(modules)
 
 

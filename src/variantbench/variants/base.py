@@ -185,8 +185,11 @@ def _load_builtin() -> None:
         distill,
         gguf,
         int8,
+        mixed_int8,
         onnx,
         precision,
+        qat,
+        smooth,
         structure,
         weight_only,
     )

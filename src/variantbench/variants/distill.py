@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 import random
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import Field
 import torch
@@ -67,6 +67,47 @@ def held_out_kl(student: nn.Module, teacher: nn.Module, batch: torch.Tensor) -> 
         return float(kl_loss(student(batch).logits, teacher(batch).logits, 1.0))
 
 
+class TrainingSettings(Protocol):
+    steps: int
+    lr: float
+    temperature: float
+    seq: int
+    batch: int
+
+
+def train_to_teacher(
+    student: nn.Module, teacher: nn.Module, ctx: Any, settings: TrainingSettings, label: str
+) -> list[float]:
+    """AdamW on KL(teacher || student) over windows of the build's training text, a linear warm-up
+    then cosine decay, gradients clipped at 1; the loss of every step. Shared by distill and qat-int8."""
+    rng = random.Random(ctx.seed + 1)
+    torch.manual_seed(ctx.seed + 1)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    warmup = max(1, settings.steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, settings.steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses: list[float] = []
+    for step in range(settings.steps):
+        batch = _windows(ctx.distill_ids, settings.seq, settings.batch, rng)
+        with torch.no_grad():
+            teacher_logits = teacher(batch).logits
+        loss = kl_loss(student(batch).logits, teacher_logits, settings.temperature)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        ctx.progress(label, step + 1, settings.steps)
+    return losses
+
+
 @register("distill", Distill, "train the reduced student on the teacher's logits (steps=,lr=,temperature=)")
 def distill(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     assert isinstance(recipe, Distill)
@@ -77,33 +118,10 @@ def distill(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     teacher = AutoModelForCausalLM.from_pretrained(ctx.teacher_dir, dtype=torch.float32).eval()
     if teacher.config.vocab_size != model.config.vocab_size:
         raise UserError("distill: the student and the teacher must share a vocabulary")
-    rng = random.Random(ctx.seed + 1)
-    torch.manual_seed(ctx.seed + 1)
     held_out = _windows(ctx.held_out_ids, recipe.seq, 4, random.Random(ctx.seed + 2))
     before = held_out_kl(model, teacher, held_out)
     student = model.float().train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=recipe.lr, weight_decay=0.0)
-    warmup = max(1, recipe.steps // 10)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, recipe.steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    losses: list[float] = []
-    for step in range(recipe.steps):
-        batch = _windows(ctx.distill_ids, recipe.seq, recipe.batch, rng)
-        with torch.no_grad():
-            teacher_logits = teacher(batch).logits
-        loss = kl_loss(student(batch).logits, teacher_logits, recipe.temperature)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        ctx.progress("distill", step + 1, recipe.steps)
+    losses = train_to_teacher(student, teacher, ctx, recipe, "distill")
     student.eval()
     after = held_out_kl(student, teacher, held_out)
     curve = {"steps": recipe.steps, "temperature": recipe.temperature, "lr": recipe.lr, "loss": losses}

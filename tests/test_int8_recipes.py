@@ -1,0 +1,173 @@
+"""The recipes that make int8 keep its quality: per-token activations, smoothing, layers kept in
+float32 by measured sensitivity, quantization-aware training. On the tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from variantbench.errors import UserError
+from variantbench.variants import apply_recipes, parse_variant
+from variantbench.variants.build import manifest_of, materialize
+from variantbench.variants.calibration import calibration_batch, int8_errors
+from variantbench.variants.int8 import FLOAT_LAYERS, Int8Linear
+from variantbench.variants.qat import FakeInt8Linear
+from variantbench.variants.smooth import smooth_model
+
+IDS = torch.tensor([[5, 17, 33, 8, 91, 44, 12, 7, 150, 3, 66, 21]])
+
+
+def _load(folder: Path) -> nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _logits(model: nn.Module, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids).logits
+
+
+def _outlier_input(rows: int = 6, features: int = 64) -> torch.Tensor:
+    x = torch.randn(rows, features, generator=torch.Generator().manual_seed(0))
+    x[2] *= 80.0  # one outlier token, as an attention sink's row
+    return x
+
+
+def test_per_token_activations_hold_an_outlier_row_that_per_tensor_loses() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = _outlier_input()
+    want = linear(x).detach()
+    quiet = [0, 1, 3, 4, 5]  # the rows the outlier shares a tensor with
+
+    def error(per_token: bool) -> float:
+        got = Int8Linear.from_linear(_copy(linear), per_token)(x)
+        return float((got[quiet] - want[quiet]).norm() / want[quiet].norm())
+
+    tensor, token = error(False), error(True)
+    assert token < 0.02 and tensor > 3 * token
+
+
+def _copy(linear: nn.Linear) -> nn.Linear:
+    import copy
+
+    return copy.deepcopy(linear)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fused_int8_projection_equals_its_parts(per_token: bool) -> None:
+    torch.manual_seed(1)
+    parts = [
+        Int8Linear.from_linear(nn.Linear(64, n, bias=bias), per_token)
+        for n, bias in ((32, True), (16, False), (16, True))
+    ]
+    x = _outlier_input()
+    fused = Int8Linear.fuse(parts)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_training_fake_quantizer_computes_what_the_kernel_does(per_token: bool) -> None:
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 32)
+    x = _outlier_input()
+    fake = FakeInt8Linear(_copy(linear), per_token)(x).detach()
+    real = Int8Linear.from_linear(_copy(linear), per_token)(x)
+    # same grids; only float rounding of the scales differs
+    assert float((fake - real).norm() / real.norm()) < 2e-3
+
+
+def test_engine_fuses_int8_projections_and_decodes_as_the_model(tiny_model_dir: Path) -> None:
+    from variantbench.backends.engine import LlamaDecoder
+
+    model = apply_recipes(_load(tiny_model_dir), parse_variant("int8:act=token"))
+    decoder = LlamaDecoder(model)
+    assert len(decoder.layers[0].qkv.modules) == 1 and isinstance(
+        decoder.layers[0].qkv.modules[0], Int8Linear
+    )
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    want = model.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False)[0, 8:].tolist()
+    assert decoder.generate(prompt, 6).token_ids[0] == want
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_tied_model_dir"])
+def test_smoothing_leaves_the_float_model_unchanged(fixture: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(fixture)
+    original = _load(folder)
+    model = _load(folder)
+    batch = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    batch[:, 3] = 7
+    smooth_model(model, batch, alpha=0.65)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # the head's columns were scaled
+    assert not torch.equal(
+        model.model.layers[0].input_layernorm.weight, original.model.layers[0].input_layernorm.weight
+    )
+    torch.testing.assert_close(_logits(model), _logits(original), rtol=1e-4, atol=1e-4)
+
+
+def test_smooth_builds_a_folder_that_reloads_equal_and_reports_the_int8_error(
+    tiny_tied_model_dir: Path, tmp_path: Path
+) -> None:
+    folder = materialize(tiny_tied_model_dir, parse_variant("smooth"), cache=tmp_path)
+    torch.testing.assert_close(
+        _logits(_load(folder)), _logits(_load(tiny_tied_model_dir)), rtol=1e-4, atol=1e-4
+    )
+    notes = manifest_of(folder)["notes"]["smooth"]
+    assert notes["alpha"] == 0.65 and notes["float_drift"] < 1e-3
+    for when in ("int8_error_before", "int8_error_after"):
+        summary = notes[when]
+        assert set(summary["by_kind"]) >= {"q_proj", "down_proj", "lm_head"}
+        assert summary["worst"][0]["int8_error"] >= summary["worst"][-1]["int8_error"] > 0
+    assert {"kl_before", "kl_after", "top1_before", "top1_after"} <= set(notes["held_out_int8_token"])
+
+
+def test_keep_fp32_keeps_the_most_sensitive_layers_in_float(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = materialize(tiny_model_dir, parse_variant("keep-fp32:3"), cache=tmp_path)
+    notes = manifest_of(folder)["notes"]["keep-fp32"]
+    kept = [r["layer"] for r in notes["kept"]]
+    # the three worst of a ranking measured here again, on the same calibration text
+    from transformers import AutoTokenizer
+
+    from variantbench.variants.build import _context
+
+    ctx = _context(
+        str(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir), 0, tmp_path, lambda *_: None
+    )
+    ranking = int8_errors(_load(tiny_model_dir), calibration_batch(ctx.calibration), per_token=True)
+    assert kept == [r["layer"] for r in ranking[:3]]
+    config = json.loads((folder / "config.json").read_text())
+    assert sorted(config[FLOAT_LAYERS]) == sorted(kept)
+    model = apply_recipes(_load(folder), parse_variant("int8:act=token"))
+    modules = dict(model.named_modules())
+    assert all(type(modules[name]) is nn.Linear for name in kept)
+    others = [m for name, m in modules.items() if isinstance(m, Int8Linear)]
+    assert len(others) == notes["of_layers"] - 3 and all(m.per_token for m in others)
+    assert notes["held_out_int8"]["kl_mixed"] < notes["held_out_int8"]["kl_all_int8"]
+
+
+def test_qat_reduces_the_held_out_kl_of_the_int8_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    folder = materialize(tiny_model_dir, parse_variant("qat-int8:steps=100,batch=8,lr=1e-4"), cache=tmp_path)
+    manifest = manifest_of(folder)
+    held_out = manifest["notes"]["qat-int8"]["held_out_int8"]
+    assert held_out["kl_after"] < held_out["kl_before"]
+    assert len(json.loads((folder / "qat_loss.json").read_text())["loss"]) == 100
+    # saved as float weights that the int8 step converts; the lookup table is the original's
+    model = _load(folder)
+    assert all(type(m) is not FakeInt8Linear for m in model.modules())
+    torch.testing.assert_close(
+        model.model.embed_tokens.weight, _load(tiny_model_dir).model.embed_tokens.weight
+    )
+
+
+def test_bad_int8_recipe_arguments_are_one_line_errors() -> None:
+    for name, message in (("int8:act=channel", "bad parameters"), ("keep-fp32", "takes a count"),
+                          ("keep-fp32:0", "bad parameters"), ("smooth:alpha=2", "bad parameters"),
+                          ("int8+smooth", "must come before")):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            from variantbench.variants.spec import VariantSpec
+
+            VariantSpec.parse(name)
