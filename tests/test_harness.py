@@ -21,11 +21,13 @@ class FlakyBackend(TorchBackend):
 
     calls = 0
 
-    def generate(self, requests: list[GenerationRequest]):
+    def generate_encoded(
+        self, requests: list[GenerationRequest], encoded
+    ):  # the runner's (and generate's) path
         self.calls += 1
         if self.calls % 3 == 0:
             raise RuntimeError("injected failure")
-        return super().generate(requests)
+        return super().generate_encoded(requests, encoded)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +94,53 @@ def test_sample_order_is_seeded_and_covers_the_library() -> None:
     assert a == b and len(a) == 12
     assert sorted(a[:5]) == list(range(5)) and sorted(a[5:10]) == list(range(5))
     assert sample_order(5, 12, seed=8) != a
+
+
+def test_requests_are_encoded_ahead_on_a_cpu_thread_with_the_same_answers(tiny_model_dir) -> None:
+    import threading
+
+    from variantbench.loadgen.sut import Pending, ThreadedSUT
+    from variantbench.records import QueryRecord
+
+    backend = TorchBackend(str(tiny_model_dir), "fp32")
+    backend.load()
+    threads: list[str] = []
+    encode = backend.encode_ahead
+
+    def spy(request):  # the real encoding, noting the thread it ran on
+        threads.append(threading.current_thread().name)
+        return encode(request)
+
+    backend.encode_ahead = spy  # type: ignore[method-assign]
+    requests = [GenerationRequest(f"r{i}", prompt="word " * (20 + 7 * i), max_new_tokens=4) for i in range(4)]
+    requests.append(GenerationRequest("bad", prompt="x", max_new_tokens=0))
+
+    def run(ahead: bool) -> dict[str, object]:
+        done, got = threading.Event(), {}
+
+        def on_complete(pendings, results) -> None:
+            got.update({r.request_id: r for r in results})
+            if len(got) == len(requests):
+                done.set()
+
+        record = QueryRecord(run_id="r", variant="v", scenario="offline", index=0, sample_id="s", task="qa",
+                             status="ok", error=None, scheduled_ns=0, issued_ns=0, first_token_ns=None,
+                             completed_ns=0, input_tokens=0, output_tokens=0)  # fmt: skip
+        sut = ThreadedSUT(backend, 1, on_complete, preprocess=ahead)
+        sut.submit([Pending(record, r) for r in requests])
+        assert done.wait(60)
+        sut.close()
+        return got
+
+    inline = run(False)
+    assert threads and all(t == "variantbench-executor" for t in threads)
+    threads.clear()
+    ahead = run(True)
+    assert len(threads) == len(requests) and all(t.startswith("variantbench-preprocess") for t in threads)
+    for r in requests[:-1]:
+        assert ahead[r.request_id].text == inline[r.request_id].text and ahead[r.request_id].status == "ok"
+        work = ahead[r.request_id].cpu_work
+        assert work["encode_ms"] > 0 and 0 <= work["encode_waited_ms"] and work["detokenize_ms"] >= 0
+        assert inline[r.request_id].cpu_work["encode_waited_ms"] == inline[r.request_id].cpu_work["encode_ms"]
+    assert ahead["bad"].status == inline["bad"].status == "error" and "max_new_tokens" in ahead["bad"].error
+    backend.close()

@@ -171,3 +171,45 @@ def test_bad_int8_recipe_arguments_are_one_line_errors() -> None:
             from variantbench.variants.spec import VariantSpec
 
             VariantSpec.parse(name)
+
+
+def test_mixed_bf16_keeps_norms_residual_and_logits_in_float32(tiny_model_dir: Path) -> None:
+    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.variants.mixed_precision import Bf16Linear
+
+    model = apply_recipes(_load(tiny_model_dir), parse_variant("mixed-bf16"))
+    block = model.model.layers[0]
+    assert (
+        isinstance(block.self_attn.q_proj, Bf16Linear)
+        and block.self_attn.q_proj.weight.dtype == torch.bfloat16
+    )
+    assert isinstance(block.mlp.down_proj, Bf16Linear)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+    for norm in (block.input_layernorm, block.post_attention_layernorm, model.model.norm):
+        assert norm.weight.dtype == torch.float32
+    seen: dict[str, torch.dtype] = {}
+    hooks = [
+        module.register_forward_hook(
+            lambda _m, inp, out, name=name: seen.update(
+                {name: (out[0] if isinstance(out, tuple) else out).dtype}
+            )
+        )
+        for name, module in (
+            ("norm", block.input_layernorm),
+            ("residual", block),
+            ("q_proj", block.self_attn.q_proj),
+            ("final_norm", model.model.norm),
+            ("logits", model.lm_head),
+        )  # fmt: skip
+    ]
+    logits = _logits(model)
+    for h in hooks:
+        h.remove()
+    assert set(seen.values()) == {torch.float32} and len(seen) == 5 and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, _logits(_load(tiny_model_dir)), rtol=0.05, atol=0.05)
+    decoder = LlamaDecoder(model)
+    assert (
+        isinstance(decoder.layers[0].qkv.modules[0], Bf16Linear) and len(decoder.layers[0].qkv.modules) == 1
+    )
+    want = model.generate(IDS[:, :8], max_new_tokens=4, do_sample=False)[0, 8:].tolist()
+    assert decoder.generate([IDS[0, :8].tolist()], 4).token_ids[0] == want

@@ -35,6 +35,8 @@ class QueryRecord:
     scored: bool = True  # in the accuracy log: its output is kept and scored
     # the engine's own account of the query where it keeps one (llama.cpp's perf counters)
     engine_timings: dict[str, float] | None = None
+    # CPU work around the model: encode_ms, encode_waited_ms, detokenize_ms (our engine)
+    cpu_work: dict[str, float] | None = None
     # the interleaved block it ran in (its variant ran alone during the block); -1: not interleaved
     block: int = -1
     # the sender process that issued it (server scenario over HTTP with several); -1: this process

@@ -41,6 +41,20 @@ class GenerationResult:
     # The engine's own account of the request where it keeps one (llama.cpp's perf counters), to
     # cross-check our clock; never used for the latency itself.
     engine_timings: dict[str, float] | None = None
+    # CPU work around the model (see EncodesAhead): encode_ms (chat template + tokenizer),
+    # encode_waited_ms (the part of it the model's thread waited for), detokenize_ms
+    cpu_work: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A request's token ids (or why it has none), how long encoding took and how long the model's
+    thread waited for it: all of it when encoded inline, little when encoded ahead."""
+
+    ids: list[int] | None
+    error: str | None
+    encode_ns: int
+    waited_ns: int
 
 
 @dataclass
@@ -86,6 +100,18 @@ class Profilable(Protocol):
 
     @property
     def decoder(self) -> Any: ...
+
+
+@runtime_checkable
+class EncodesAhead(Protocol):
+    """Encoding (chat template, tokenizer) can run apart from generation: the runner encodes the
+    next requests on a CPU thread while the model computes the current ones."""
+
+    def encode_ahead(self, request: GenerationRequest) -> Encoded: ...
+
+    def generate_encoded(
+        self, requests: list[GenerationRequest], encoded: list[Encoded]
+    ) -> list[GenerationResult]: ...
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import contextlib
 from dataclasses import dataclass, field
 import time
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -136,6 +136,16 @@ def _projection(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.
     return _Modules(modules)
 
 
+@runtime_checkable
+class LinearAttentionBlock(Protocol):
+    """An attention block that is linear attention (the linear-attn recipe): feature maps for
+    queries and keys; decoding keeps a fixed-size state per KV head instead of a KV cache."""
+
+    feature_q: nn.Module
+    feature_k: nn.Module
+    kv_heads: int
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
@@ -146,6 +156,16 @@ class _Layer:
     down: Callable[[torch.Tensor], torch.Tensor]
     n_heads: int
     n_kv_heads: int
+    # linear attention: (query map, key map); None: softmax attention over the KV cache
+    linear: tuple[nn.Module, nn.Module] | None = None
+
+
+@dataclass
+class LinearState:
+    """A linear-attention layer's decoding state: S [B, Hkv, F, D] and z [B, Hkv, F] (float32)."""
+
+    s: torch.Tensor
+    z: torch.Tensor
 
 
 @dataclass
@@ -220,8 +240,12 @@ class LlamaDecoder:
                     down=_projection([mlp.down_proj]),
                     n_heads=n_heads,
                     n_kv_heads=n_kv,
+                    linear=(attn.feature_q, attn.feature_k)
+                    if isinstance(attn, LinearAttentionBlock)
+                    else None,
                 )
             )
+        self.softmax_layers = [i for i, layer in enumerate(self.layers) if layer.linear is None]
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step = self._decode_step
         self.compiled = False
@@ -281,7 +305,7 @@ class LlamaDecoder:
         sin = sin_t[positions].unsqueeze(1)
         end = start + seq
         d = self.head_dim
-        for layer, (k_cache, v_cache) in zip(self.layers, cache, strict=True):
+        for layer, entry in zip(self.layers, cache, strict=True):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h).view(bsz, seq, -1, d)
             nq, nkv = layer.n_heads, layer.n_kv_heads
@@ -289,6 +313,15 @@ class LlamaDecoder:
             qk = self._rotate(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, :, nq + nkv :].transpose(1, 2)
+            if layer.linear is not None:
+                assert isinstance(entry, LinearState)
+                # a named region while profiling, so the diagnosis counts it as attention
+                with self._region("linear_attention") if self.profile_regions else contextlib.nullcontext():
+                    attn = self._linear_attention(layer, q, k, v, entry, attn_mask)
+                x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d).to(x.dtype))
+                x = x + self._mlp(layer, x)
+                continue
+            k_cache, v_cache = entry
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
@@ -306,6 +339,58 @@ class LlamaDecoder:
             x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d))
             x = x + self._mlp(layer, x)
         return x
+
+    def _linear_attention(
+        self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearState,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Linear attention of ``q`` [B, Hq, S, D] over ``k``, ``v`` [B, Hkv, S, D] and the state of
+        the earlier tokens (updated): one token is a recurrent step, more the chunked parallel form.
+        Left padding (a key no query may see, per the mask's last row) is kept out of the state."""
+        from variantbench.variants.linear_attention import grouped, parallel, step
+
+        assert layer.linear is not None
+        map_q, map_k = layer.linear
+        bsz, nq, seq, d = q.shape
+        nkv = k.shape[1]
+        fq, fk = grouped(map_q(q), nkv), map_k(k)
+        if attn_mask is not None and seq > 1:
+            fk = fk * attn_mask[:, 0, -1, -seq:].to(fk.dtype)[:, None, :, None]
+        if seq == 1:
+            out, _ = step(fq[:, :, :, 0], fk[:, :, 0], v[:, :, 0], (state.s, state.z))
+            return out.reshape(bsz, nq, 1, d)
+        out, (state.s, state.z) = parallel(fq, fk, v, (state.s, state.z))
+        return out.reshape(bsz, nq, seq, d)
+
+    def _new_cache(self, bsz: int, length: int) -> tuple[torch.Tensor, list[LinearState]]:
+        """KV storage for the softmax layers [L_softmax, 2, B, kv, length, D] and a zero state per
+        linear layer (its size independent of ``length``)."""
+        max_kv = max((layer.n_kv_heads for layer in self.layers), default=1)
+        storage = torch.zeros(
+            len(self.softmax_layers),
+            2,
+            bsz,
+            max_kv,
+            length,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        states = []
+        for layer in self.layers:
+            if layer.linear is not None:
+                features = int(layer.linear[1].weight.shape[-1]) * 2
+                states.append(
+                    LinearState(
+                        torch.zeros(bsz, layer.n_kv_heads, features, self.head_dim, device=self.device),
+                        torch.zeros(bsz, layer.n_kv_heads, features, device=self.device),
+                    )
+                )
+        return storage, states
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return len(self.softmax_layers) != len(self.layers)
 
     def _forward_ragged(
         self,
@@ -326,6 +411,8 @@ class LlamaDecoder:
         tokens, so a prompt chunk rides along with a decode step instead of stalling it: the weights
         are read once for both. Attention, the only part that mixes tokens, runs per group.
         """
+        if self.has_linear_attention:
+            raise ValueError("continuous batching does not run linear-attention layers yet")
         cos_t, sin_t = rope
         cos = cos_t[positions][None, None]  # [1, 1, T, D]
         sin = sin_t[positions][None, None]
@@ -386,12 +473,20 @@ class LlamaDecoder:
             stack.enter_context(torch.cuda.nvtx.range(name))
         return stack
 
-    def _cache_views(self, storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (keys, values) views of the cache storage, [B, kv_heads, positions, head_dim]."""
-        return [
-            (storage[i, 0, :, : layer.n_kv_heads], storage[i, 1, :, : layer.n_kv_heads])
-            for i, layer in enumerate(self.layers)
-        ]
+    def _cache_views(self, storage: torch.Tensor, states: Sequence[LinearState] = ()) -> list[Any]:
+        """Per layer: (keys, values) views of the storage, [B, kv_heads, positions, head_dim], for a
+        softmax layer (the storage holds those only), the next of ``states`` for a linear one."""
+        views: list[Any] = []
+        slot, linear = 0, iter(states)
+        for layer in self.layers:
+            if layer.linear is not None:
+                views.append(next(linear))
+            else:
+                views.append(
+                    (storage[slot, 0, :, : layer.n_kv_heads], storage[slot, 1, :, : layer.n_kv_heads])
+                )
+                slot += 1
+        return views
 
     def _decode_step(
         self,
@@ -401,10 +496,12 @@ class LlamaDecoder:
         cur: int,
         mask: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
+        states: Sequence[LinearState] = (),
     ) -> torch.Tensor:
         """One decode step for the batch: the previous tokens in, the next greedy tokens out."""
         x = self._embed(next_ids.unsqueeze(1))
-        hidden = self._forward(x, positions.unsqueeze(1), self._cache_views(storage), cur, mask, False, rope)
+        cache = self._cache_views(storage, states)
+        hidden = self._forward(x, positions.unsqueeze(1), cache, cur, mask, False, rope)
         return self._logits(hidden[:, -1]).argmax(-1)
 
     def compile_decode_step(self, **options: object) -> None:
@@ -417,6 +514,10 @@ class LlamaDecoder:
         """
         import torch._dynamo
 
+        if self.has_linear_attention:
+            raise ValueError(
+                "compile: linear-attention layers are not compiled yet (drop compile from the chain)"
+            )
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         self._step = torch.compile(self._decode_step, dynamic=None, **options)  # type: ignore[assignment]
         self.compiled = True
@@ -430,11 +531,8 @@ class LlamaDecoder:
             raise ValueError("empty sequence")
         seq = len(ids)
         x = self._embed(torch.tensor([list(ids)], dtype=torch.long, device=self.device))
-        max_kv = max(layer.n_kv_heads for layer in self.layers) if self.layers else 1
-        storage = torch.zeros(
-            len(self.layers), 2, 1, max_kv, seq, self.head_dim, dtype=self.dtype, device=self.device
-        )
-        cache = self._cache_views(storage)
+        storage, states = self._new_cache(1, seq)
+        cache = self._cache_views(storage, states)
         positions = torch.arange(seq, device=self.device).unsqueeze(0)
         hidden = self._forward(x, positions, cache, 0, None, seq > 1, self._rope_tables(seq))
         return torch.log_softmax(self._logits(hidden[0]), dim=-1)
@@ -472,11 +570,8 @@ class LlamaDecoder:
             ids[b, seq - len(p) :] = torch.tensor(list(p), dtype=torch.long, device=dev)
             valid[b, seq - len(p) :] = True
         padded = any(n != seq for n in lengths)
-        max_kv = max(layer.n_kv_heads for layer in self.layers) if self.layers else 1
-        storage = torch.zeros(
-            len(self.layers), 2, bsz, max_kv, total, self.head_dim, dtype=self.dtype, device=dev
-        )
-        cache = self._cache_views(storage)
+        storage, states = self._new_cache(bsz, total)
+        cache = self._cache_views(storage, states)
         if self.compiled:
             torch._dynamo.mark_dynamic(storage, 4)  # the cache length differs from call to call
             torch._dynamo.mark_dynamic(valid, 1)
@@ -526,7 +621,7 @@ class LlamaDecoder:
             else:
                 step_mask = None
             with self._region("decode_step"):
-                next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope)
+                next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope, states)
             now = clock()
             step += 1
         for t in timings:

@@ -6,7 +6,7 @@ import gc
 import time
 from typing import Any
 
-from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo, encode_request
+from variantbench.backends.base import Encoded, GenerationRequest, GenerationResult, LoadInfo, encode_request
 from variantbench.errors import UserError
 from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
 
@@ -59,10 +59,12 @@ class TorchBackend:
 
         from variantbench.backends.engine import LlamaDecoder
         from variantbench.variants import apply_recipes, weight_format
+        from variantbench.variants.base import restore_built
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
         from variantbench.variants.measure import param_bytes
 
         hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()  # e.g. the linear-attn weights it does not know, put back below
         if self.threads:
             torch.set_num_threads(self.threads)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -70,11 +72,16 @@ class TorchBackend:
         recipes, load_time = self.spec.recipes, self.spec.load_chain
         source, built = self.artifact.source_dir, self.artifact.manifest
         self._tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        model = restore_built(
+            AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), source
+        ).eval()
         parameters = sum(p.numel() for p in model.parameters())  # before quantization repacks them
         if self.device != "cpu":
             model = model.to(self.device)
         model = apply_recipes(model, load_time)
+        caveats = [c for r in load_time if (c := r.caveat(torch.device(self.device)))]
+        for caveat in caveats if self.status else ():
+            self.status(caveat)
         nbytes = param_bytes(model)
         config = model.config
         if not (
@@ -93,6 +100,7 @@ class TorchBackend:
             "variant": self.name,
             "recipes": [r.model_dump() for r in recipes],
             "weight_format": weight_format(load_time),
+            "caveats": caveats,
             "built": {k: built[k] for k in ("key", "parameters", "bytes_on_disk", "build_s", "notes")}
             if built
             else None,
@@ -177,45 +185,59 @@ class TorchBackend:
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_ahead(self, request: GenerationRequest) -> Encoded:
+        """The request's ids, checked against the model's limits; errors are data, not raised."""
+        t0 = time.perf_counter_ns()
+        try:
+            ids = self.encode(request)
+            if not ids:
+                raise ValueError("prompt encodes to zero tokens")
+            if request.max_new_tokens < 1:
+                raise ValueError("max_new_tokens must be at least 1")
+            if self._max_positions and len(ids) + request.max_new_tokens > self._max_positions:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens + {request.max_new_tokens} new exceeds the model's "
+                    f"{self._max_positions} positions"
+                )
+        except Exception as exc:
+            took = time.perf_counter_ns() - t0
+            return Encoded(None, str(exc), took, took)
+        took = time.perf_counter_ns() - t0
+        return Encoded(ids, None, took, took)
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Encode inline, then generate: the model's thread does the CPU work itself."""
+        if self._decoder is None:
+            raise RuntimeError("generate() before load()")
+        return self.generate_encoded(requests, [self.encode_ahead(r) for r in requests])
+
+    def generate_encoded(
+        self, requests: list[GenerationRequest], encoded: list[Encoded]
+    ) -> list[GenerationResult]:
         if self._decoder is None:
             raise RuntimeError("generate() before load()")
         results: dict[str, GenerationResult] = {}
-        batch: list[tuple[GenerationRequest, list[int]]] = []
-        for req in requests:
-            start = time.perf_counter_ns()
-            try:
-                ids = self.encode(req)
-                if not ids:
-                    raise ValueError("prompt encodes to zero tokens")
-                if req.max_new_tokens < 1:
-                    raise ValueError("max_new_tokens must be at least 1")
-                if self._max_positions and len(ids) + req.max_new_tokens > self._max_positions:
-                    raise ValueError(
-                        f"prompt of {len(ids)} tokens + {req.max_new_tokens} new exceeds the model's "
-                        f"{self._max_positions} positions"
-                    )
-                batch.append((req, ids))
-            except Exception as exc:
+        batch: list[tuple[GenerationRequest, list[int], Encoded]] = []
+        for req, enc in zip(requests, encoded, strict=True):
+            if enc.ids is None:
+                now = time.perf_counter_ns()
                 results[req.request_id] = GenerationResult(
-                    req.request_id,
-                    status="error",
-                    error=str(exc),
-                    start_ns=start,
-                    end_ns=time.perf_counter_ns(),
+                    req.request_id, status="error", error=enc.error, start_ns=now - enc.encode_ns, end_ns=now
                 )
+            else:
+                batch.append((req, enc.ids, enc))
         if batch:
             start = time.perf_counter_ns()
             try:
                 out = self._decoder.generate(
-                    [ids for _, ids in batch],
-                    [req.max_new_tokens for req, _ in batch],
+                    [ids for _, ids, _ in batch],
+                    [req.max_new_tokens for req, _, _ in batch],
                     stop_ids=self._stop_ids,
                     start_ns=start,
                 )
             except Exception as exc:
                 end = time.perf_counter_ns()
-                for req, _ in batch:
+                for req, _, _ in batch:
                     results[req.request_id] = GenerationResult(
                         req.request_id,
                         status="error",
@@ -224,9 +246,15 @@ class TorchBackend:
                         end_ns=end,
                     )
             else:
-                for (req, ids), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):
+                for (req, ids, enc), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):
                     shown = [t for t in tokens if t not in self._stop_ids]
+                    d0 = time.perf_counter_ns()
                     text = self._tokenizer.decode(shown, skip_special_tokens=True)
+                    cpu_work = {
+                        "encode_ms": enc.encode_ns / 1e6,
+                        "encode_waited_ms": enc.waited_ns / 1e6,
+                        "detokenize_ms": (time.perf_counter_ns() - d0) / 1e6,
+                    }
                     results[req.request_id] = GenerationResult(
                         req.request_id,
                         text=text.strip(),
@@ -236,5 +264,6 @@ class TorchBackend:
                         first_token_ns=timing.token_ns[0] if timing.token_ns else None,
                         token_ns=list(timing.token_ns),
                         end_ns=timing.end_ns,
+                        cpu_work=cpu_work,
                     )
         return [results[req.request_id] for req in requests]

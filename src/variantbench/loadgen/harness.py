@@ -119,6 +119,7 @@ def _fill(r: QueryRecord, result: GenerationResult, now: int) -> None:
     r.token_ms = [(max(t, r.issued_ns) - r.issued_ns) / 1e6 for t in result.token_ns]
     r.output = result.text if r.scored else ""  # outside the accuracy log: not kept
     r.engine_timings = result.engine_timings
+    r.cpu_work = result.cpu_work
 
 
 def run_scenario(

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+import dataclasses
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from variantbench.backends.base import Backend, GenerationRequest, GenerationResult
+from variantbench.backends.base import Backend, Encoded, EncodesAhead, GenerationRequest, GenerationResult
 from variantbench.records import QueryRecord
 
 # Sleep (releasing the GIL) until this close to an arrival, then spin. Event-loop timers round to
@@ -109,24 +111,51 @@ def wait_until(deadline_ns: int) -> None:
 
 
 class ThreadedSUT:
-    """One thread feeding an in-process backend whatever requests are waiting, in batches."""
+    """One thread feeding an in-process backend whatever requests are waiting, in batches.
+
+    A backend that encodes apart (``EncodesAhead``) gets its requests encoded on a CPU thread as
+    they are submitted, so the chat template and tokenizer of the next requests run while the model
+    computes the current ones (``preprocess=False``: inline, on the model's thread, for comparison).
+    On this project's 2-core CPU a 2,030-token prompt encodes in 5.4 ms against seconds of prefill;
+    on an accelerator the same 5.4 ms is the size of the prefill itself (``benchmarks/preprocessing.py``).
+    """
 
     concurrent = False
 
-    def __init__(self, backend: Backend, max_batch: int, on_complete: OnComplete):
+    def __init__(self, backend: Backend, max_batch: int, on_complete: OnComplete, preprocess: bool = True):
         self.backend = backend
         self.max_batch = max_batch
         self.on_complete = on_complete
         self.inbox: deque[Pending] = deque()
         self.ready = threading.Condition()
         self.closing = False
+        self.encoder: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="variantbench-preprocess")
+            if preprocess and isinstance(backend, EncodesAhead)
+            else None
+        )
+        self.encoding: dict[str, Future[Encoded]] = {}
         self.thread = threading.Thread(target=self._loop, name="variantbench-executor", daemon=True)
         self.thread.start()
 
     def submit(self, pendings: list[Pending]) -> None:
+        if self.encoder is not None:
+            encode = self.backend.encode_ahead  # type: ignore[attr-defined]
+            for p in pendings:
+                self.encoding[p.request.request_id] = self.encoder.submit(encode, p.request)
         with self.ready:
             self.inbox.extend(pendings)
             self.ready.notify()
+
+    def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if self.encoder is None:
+            return self.backend.generate(requests)
+        encoded = []
+        for r in requests:
+            t0 = time.perf_counter_ns()
+            enc = self.encoding.pop(r.request_id).result()
+            encoded.append(dataclasses.replace(enc, waited_ns=time.perf_counter_ns() - t0))
+        return self.backend.generate_encoded(requests, encoded)  # type: ignore[attr-defined]
 
     def _loop(self) -> None:
         while True:
@@ -138,7 +167,7 @@ class ThreadedSUT:
                 take = min(self.max_batch, len(self.inbox))
                 batch = [self.inbox.popleft() for _ in range(take)]
             try:
-                results = self.backend.generate([p.request for p in batch])
+                results = self._generate([p.request for p in batch])
                 by_id = {r.request_id: r for r in results}
             except Exception as exc:  # the batch fails, the run goes on
                 by_id = {}
@@ -158,6 +187,8 @@ class ThreadedSUT:
             self.closing = True
             self.ready.notify()
         self.thread.join(timeout=timeout_s)
+        if self.encoder is not None:
+            self.encoder.shutdown(wait=False, cancel_futures=True)
 
 
 class AsyncSUT:

@@ -171,6 +171,12 @@ def _execution(report: Report) -> list[str]:
                          f"± {_f((s.get('clock_rtt_ms') or 0) / 2, '.3f')} ms" if "node_id" in s else "")  # fmt: skip
                 lines.append(f"  - sender {s['sender']}: {s['queries']} queries, dispatch lag p50 "
                              f"{_f(s.get('lag_p50_ms'), '.3f')} ms, p99 {_f(s.get('lag_p99_ms'), '.3f')} ms{where}")  # fmt: skip
+        work = r.cpu_work
+        if work:
+            lines.append(f"- {r.variant}: tokenizing and templating {_f(work['encode_ms_mean'], '.2f')} ms a query, "
+                         f"detokenizing {_f(work['detokenize_ms_mean'], '.2f')} ms: {_f(work['share'] * 100, '.2f')}% of "
+                         f"latency, {_f(work['critical_share'] * 100, '.2f')}% on the model's path (the rest ran ahead "
+                         "on a CPU thread)")  # fmt: skip
     return ["## How it was measured", "", *lines, ""]
 
 

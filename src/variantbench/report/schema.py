@@ -254,6 +254,7 @@ class RunReport(_Model):
     outliers: Outliers = Field(default_factory=Outliers)
     peak: PeakSearch | None = None
     engine_timings: dict[str, float | None] | None = None  # the engine's own clock, summed (llama.cpp)
+    cpu_work: dict[str, float] | None = None  # tokenizing, templating, detokenizing (see summary.cpu_work)
     ttft_ms: Tail = Field(default_factory=Tail)
     tpot_ms: Tail = Field(default_factory=Tail)
     itl_ms: LatencyDist = Field(default_factory=LatencyDist)  # every gap between consecutive tokens

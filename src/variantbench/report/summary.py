@@ -250,6 +250,7 @@ def summarize_run(
         input_tokens=_tail([r.input_tokens for r in ok]),
         output_tokens=_tail([r.output_tokens for r in ok]),
         engine_timings=engine_timings(ok),
+        cpu_work=cpu_work(ok),
     )
 
 
@@ -271,6 +272,30 @@ def engine_timings(ok: Sequence[QueryRecord]) -> dict[str, float] | None:
     engine_ms = sum(v for k, v in totals.items() if k.endswith("_ms"))
     return {**{k: round(v, 3) for k, v in totals.items()}, "queries": len(timed), "measured_ms": round(ours_ms, 3),
             "engine_ms_share": round(engine_ms / ours_ms, 4) if ours_ms > 0 else None}  # fmt: skip
+
+
+def cpu_work(ok: Sequence[QueryRecord]) -> dict[str, float] | None:
+    """The CPU work around the model per query, and its share of the latency from issue: ``share``
+    all of it, ``critical_share`` the part the model's thread waited for (all when encoded inline;
+    little when encoded ahead while the model computed)."""
+    timed = [r for r in ok if r.cpu_work]
+    if not timed:
+        return None
+    total = {
+        k: sum((r.cpu_work or {}).get(k, 0.0) for r in timed)
+        for k in ("encode_ms", "encode_waited_ms", "detokenize_ms")
+    }
+    latency = sum(r.latency_ms for r in timed)
+    n = len(timed)
+    return {
+        "queries": n,
+        "encode_ms_mean": round(total["encode_ms"] / n, 4),
+        "detokenize_ms_mean": round(total["detokenize_ms"] / n, 4),
+        "share": round((total["encode_ms"] + total["detokenize_ms"]) / latency, 6) if latency > 0 else 0.0,
+        "critical_share": round((total["encode_waited_ms"] + total["detokenize_ms"]) / latency, 6)
+        if latency > 0
+        else 0.0,
+    }
 
 
 def _scored(records: Sequence[QueryRecord]) -> list[Scored]:

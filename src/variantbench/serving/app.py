@@ -350,14 +350,14 @@ class Server:
         routed: str | None = None
         if target is None:  # the tiered router: score with the light model, then pick
             tokenizer = self.models[self.router.light].tokenizer
-            ids = _prompt_ids(body, tokenizer, chat)
+            ids = await asyncio.to_thread(_prompt_ids, body, tokenizer, chat)
             routed, _ = await asyncio.to_thread(self.router.route, ids)
             self.metrics.routed.labels(self.router.name, routed).inc()
             target = self.models[routed]
             if target.tokenizer is not tokenizer:
-                ids = _prompt_ids(body, target.tokenizer, chat)
-        else:
-            ids = _prompt_ids(body, target.tokenizer, chat)
+                ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, chat)
+        else:  # templating and tokenizing off the event loop: it keeps streaming the others meanwhile
+            ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, chat)
         default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
         max_new = _int(body, name, None, 1, None)
         if max_new is None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from variantbench.backends.engine import PromptPiece
+from variantbench.errors import UserError
 from variantbench.serving.prefix_cache import PrefixCache
 
 
@@ -87,6 +88,11 @@ class ContinuousBatch:
         prefix_cache_mb: float = 0.0,
         prefix_block: int = 16,
     ) -> None:
+        if decoder.has_linear_attention:
+            raise UserError(
+                "linear-attention variants are not served yet (the continuous batch keeps KV caches); "
+                "measure them with variantbench run"
+            )
         self.decoder = decoder
         self.max_batch = max_batch
         self.max_len = max_len

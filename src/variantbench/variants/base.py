@@ -47,6 +47,10 @@ class Recipe(BaseModel):
         search composes names from recipes). ``spec()`` unless the kind takes positional arguments."""
         return self.spec()
 
+    def caveat(self, device: Any) -> str | None:
+        """Load recipes: why this recipe will not pay on ``device`` (a torch.device), or None."""
+        return None
+
     def artifact(self, source: str | Path, root: Path, say: Callable[[str], None] | None = None) -> Path:
         """Engine recipes: export ``source`` (a Hugging Face folder) for the engine, cached under ``root``."""
         raise TypeError(f"{self.kind} is not an engine recipe")
@@ -105,6 +109,24 @@ def register(kind: str, recipe_type: type[Recipe], summary: str) -> Callable[[Tr
         return fn
 
     return decorator
+
+
+# Functions that put back what a build step added beyond transformers' own architecture (linear
+# attention): each takes (a freshly loaded model, its folder) and returns the model.
+_RESTORERS: list[Callable[[Any, Path], Any]] = []
+
+
+def restorer(fn: Callable[[Any, Path], Any]) -> Callable[[Any, Path], Any]:
+    _RESTORERS.append(fn)
+    return fn
+
+
+def restore_built(model: Any, folder: str | Path) -> Any:
+    """A model loaded from a built folder, with every registered extension put back."""
+    _load_builtin()
+    for fn in _RESTORERS:
+        model = fn(model, Path(folder))
+    return model
 
 
 def known_kinds() -> dict[str, str]:
@@ -185,7 +207,9 @@ def _load_builtin() -> None:
         distill,
         gguf,
         int8,
+        linear_student,
         mixed_int8,
+        mixed_precision,
         onnx,
         precision,
         qat,

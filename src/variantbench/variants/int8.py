@@ -22,11 +22,13 @@ float32. The embedding table stays float32; a tied output projection gets its ow
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import ClassVar, Literal
 import warnings
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, keyword_args, register
@@ -54,7 +56,7 @@ def _dynamic(linear: nn.Linear) -> nn.Module:
         return DynamicLinear.from_float(linear)
 
 
-def _joined(biases: list[torch.Tensor | None], modules: Sequence[nn.Module]) -> torch.Tensor | None:
+def joined_biases(biases: list[torch.Tensor | None], modules: Sequence[nn.Module]) -> torch.Tensor | None:
     """The biases of fused modules end to end (zeros for one without); None when none has one."""
     if all(b is None for b in biases):
         return None
@@ -98,19 +100,29 @@ class Int8Linear(nn.Module):
         scales = torch.cat([w.q_per_channel_scales() for w in weights])
         zeros = torch.cat([w.q_per_channel_zero_points() for w in weights])
         qweight = torch._make_per_channel_quantized_tensor(ints, scales, zeros, 0)
-        inner_bias = _joined([m.inner.bias() for m in modules], modules)
+        inner_bias = joined_biases([m.inner.bias() for m in modules], modules)
         from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
         inner = DynamicLinear(ints.shape[1], ints.shape[0], bias_=inner_bias is not None, dtype=torch.qint8)
         inner.set_weight_bias(qweight, inner_bias)
-        bias = _joined([m.bias for m in modules], modules)
+        bias = joined_biases([m.bias for m in modules], modules)
         return cls(inner, modules[0].per_token, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.per_token:
             return self.inner(x)
-        scale = x.abs().amax(-1, keepdim=True).clamp_(min=1e-12)
-        y = self.inner(x / scale).mul_(scale)
+        # labelled for the diagnosis (quantize/dequantize family) only while a profiler runs
+        label = (
+            record_function("quantize_per_token")
+            if torch.autograd.profiler._is_profiler_enabled
+            else nullcontext()
+        )
+        with label:
+            scale = x.abs().amax(-1, keepdim=True).clamp_(min=1e-12)
+            scaled = x / scale
+        y = self.inner(scaled)
+        with label:
+            y = y.mul_(scale)
         return y if self.bias is None else y.add_(self.bias)
 
 
