@@ -155,6 +155,10 @@ def test_qat_reduces_the_held_out_kl_of_the_int8_model(tiny_model_dir: Path, tmp
     held_out = manifest["notes"]["qat-int8"]["held_out_int8"]
     assert held_out["kl_after"] < held_out["kl_before"]
     assert len(json.loads((folder / "qat_loss.json").read_text())["loss"]) == 100
+    assert (
+        manifest["notes"]["qat-int8"]["seconds_per_step"] > 0
+        and manifest["notes"]["qat-int8"]["training_precision"]
+    )
     # saved as float weights that the int8 step converts; the lookup table is the original's
     model = _load(folder)
     assert all(type(m) is not FakeInt8Linear for m in model.modules())
@@ -213,3 +217,15 @@ def test_mixed_bf16_keeps_norms_residual_and_logits_in_float32(tiny_model_dir: P
     )
     want = model.generate(IDS[:, :8], max_new_tokens=4, do_sample=False)[0, 8:].tolist()
     assert decoder.generate([IDS[0, :8].tolist()], 4).token_ids[0] == want
+
+
+def test_training_runs_in_bf16_only_where_the_hardware_has_it() -> None:
+    from variantbench.variants.distill import autocast_bf16
+    from variantbench.variants.mixed_precision import bf16_hardware
+
+    cpu = torch.device("cpu")
+    native, why = bf16_hardware(cpu)
+    on, said = autocast_bf16("auto", cpu)
+    assert on == native and (said.startswith("bf16") if native else why in said)
+    assert autocast_bf16("fp32", cpu) == (False, "fp32 (asked)")
+    assert autocast_bf16("bf16", cpu)[0] is True

@@ -11,11 +11,13 @@ variant's manifest, so the report can show what distillation recovered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import json
 import math
 from pathlib import Path
 import random
-from typing import Any, ClassVar, Protocol
+import time
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import Field
 import torch
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, keyword_args, register
+
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 class Distill(Recipe):
@@ -34,10 +38,11 @@ class Distill(Recipe):
     temperature: float = Field(2.0, gt=0)
     seq: int = Field(128, ge=8, le=4096)
     batch: int = Field(2, ge=1, le=256)
+    precision: Precision = "auto"
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> Distill:
-        values = keyword_args(kind, args, ("steps", "lr", "temperature", "seq", "batch"))
+        values = keyword_args(kind, args, ("steps", "lr", "temperature", "seq", "batch", "precision"))
         return cls(kind=kind, **values)
 
 
@@ -73,13 +78,40 @@ class TrainingSettings(Protocol):
     temperature: float
     seq: int
     batch: int
+    precision: Precision
+
+
+@dataclass
+class Training:
+    losses: list[float]
+    precision: str  # what ran, and why
+    seconds_per_step: float
+
+    def notes(self) -> dict[str, Any]:
+        return {"training_precision": self.precision, "seconds_per_step": round(self.seconds_per_step, 4)}
+
+
+def autocast_bf16(choice: Precision, device: torch.device) -> tuple[bool, str]:
+    """Whether training runs its forward in bf16 (autocast; fp32 master weights and optimizer), and why.
+    ``auto``: where the hardware has bf16 matrix instructions; on an AVX2 CPU bf16 matmuls are slower."""
+    from variantbench.variants.mixed_precision import bf16_hardware
+
+    if choice == "fp32":
+        return False, "fp32 (asked)"
+    native, why = bf16_hardware(device)
+    if choice == "bf16":
+        return True, "bf16 autocast, fp32 master weights (asked)" + ("" if native else f"; {why}")
+    return native, "bf16 autocast, fp32 master weights" if native else f"fp32 ({why})"
 
 
 def train_to_teacher(
     student: nn.Module, teacher: nn.Module, ctx: Any, settings: TrainingSettings, label: str
-) -> list[float]:
+) -> Training:
     """AdamW on KL(teacher || student) over windows of the build's training text, a linear warm-up
-    then cosine decay, gradients clipped at 1; the loss of every step. Shared by distill and qat-int8."""
+    then cosine decay, gradients clipped at 1, in mixed precision where the hardware pays for it.
+    Shared by distill, qat-int8 and linear-attn."""
+    device = next(student.parameters()).device
+    bf16, precision = autocast_bf16(settings.precision, device)
     rng = random.Random(ctx.seed + 1)
     torch.manual_seed(ctx.seed + 1)
     params = [p for p in student.parameters() if p.requires_grad]
@@ -93,11 +125,14 @@ def train_to_teacher(
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     losses: list[float] = []
+    started = time.perf_counter()
     for step in range(settings.steps):
         batch = _windows(ctx.distill_ids, settings.seq, settings.batch, rng)
-        with torch.no_grad():
-            teacher_logits = teacher(batch).logits
-        loss = kl_loss(student(batch).logits, teacher_logits, settings.temperature)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.no_grad():
+                teacher_logits = teacher(batch).logits
+            student_logits = student(batch).logits
+        loss = kl_loss(student_logits, teacher_logits, settings.temperature)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -105,7 +140,7 @@ def train_to_teacher(
         scheduler.step()
         losses.append(loss.item())
         ctx.progress(label, step + 1, settings.steps)
-    return losses
+    return Training(losses, precision, (time.perf_counter() - started) / max(1, settings.steps))
 
 
 @register("distill", Distill, "train the reduced student on the teacher's logits (steps=,lr=,temperature=)")
@@ -121,7 +156,8 @@ def distill(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     held_out = _windows(ctx.held_out_ids, recipe.seq, 4, random.Random(ctx.seed + 2))
     before = held_out_kl(model, teacher, held_out)
     student = model.float().train()
-    losses = train_to_teacher(student, teacher, ctx, recipe, "distill")
+    training = train_to_teacher(student, teacher, ctx, recipe, "distill")
+    losses = training.losses
     student.eval()
     after = held_out_kl(student, teacher, held_out)
     curve = {"steps": recipe.steps, "temperature": recipe.temperature, "lr": recipe.lr, "loss": losses}
@@ -132,6 +168,7 @@ def distill(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "loss_curve": "distill_loss.json",
+        **training.notes(),
     }
     del teacher
     return student

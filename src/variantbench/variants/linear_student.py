@@ -23,7 +23,6 @@ import json
 import math
 from pathlib import Path
 import random
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
@@ -33,7 +32,7 @@ from torch import nn
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, keyword_args, register, restorer
 from variantbench.variants.calibration import held_out_windows
-from variantbench.variants.distill import _windows, held_out_kl, train_to_teacher
+from variantbench.variants.distill import Precision, _windows, held_out_kl, train_to_teacher
 from variantbench.variants.linear_attention import LinearAttention
 
 CONFIG_KEY = "variantbench_linear_attention"
@@ -50,6 +49,7 @@ class LinearAttn(Recipe):
     temperature: float = Field(1.0, gt=0)
     seq: int = Field(128, ge=8, le=4096)
     batch: int = Field(2, ge=1, le=256)
+    precision: ClassVar[Precision] = "auto"  # distillation's autocast: bf16 where the hardware has it
 
     @field_validator("layers")
     @classmethod
@@ -180,10 +180,8 @@ def linear_attn(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         for p in m.parameters():
             p.requires_grad_(True)
     model.train()
-    settings = SimpleNamespace(
-        steps=recipe.steps, lr=recipe.lr, temperature=recipe.temperature, seq=recipe.seq, batch=recipe.batch
-    )
-    distilled = train_to_teacher(model, teacher, ctx, settings, "linear-attn distill") if recipe.steps else []
+    training = train_to_teacher(model, teacher, ctx, recipe, "linear-attn distill") if recipe.steps else None
+    distilled = training.losses if training else []
     model.eval()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -203,6 +201,7 @@ def linear_attn(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         "distill_first": distilled[0] if distilled else None,
         "distill_last": distilled[-1] if distilled else None,
         "loss_curve": "linear_attn_loss.json",
+        **(training.notes() if training else {}),
     }
     del teacher
     return model

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, keyword_args, register
 from variantbench.variants.calibration import held_out_windows, linears, logit_kl
-from variantbench.variants.distill import train_to_teacher
+from variantbench.variants.distill import Precision, train_to_teacher
 from variantbench.variants.int8 import FLOAT_LAYERS, quantize_linears
 
 
@@ -41,11 +41,13 @@ class QatInt8(Recipe):
     seq: int = Field(128, ge=8, le=4096)
     batch: int = Field(2, ge=1, le=256)
     act: Literal["tensor", "token"] = "token"
+    precision: Precision = "auto"
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> QatInt8:
         return cls(
-            kind=kind, **keyword_args(kind, args, ("steps", "lr", "temperature", "seq", "batch", "act"))
+            kind=kind,
+            **keyword_args(kind, args, ("steps", "lr", "temperature", "seq", "batch", "act", "precision")),
         )
 
 
@@ -132,7 +134,8 @@ def qat_int8(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     embed.weight.requires_grad_(False)
     _swap(model, nn.Linear, lambda lin: FakeInt8Linear(lin, per_token), keep)
     model.train()
-    losses = train_to_teacher(model, teacher, ctx, recipe, "qat-int8")
+    training = train_to_teacher(model, teacher, ctx, recipe, "qat-int8")
+    losses = training.losses
     _swap(model, FakeInt8Linear, lambda fake: fake.linear, set())
     model.eval()
     embed.weight.requires_grad_(True)
@@ -150,6 +153,7 @@ def qat_int8(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "loss_curve": "qat_loss.json",
+        **training.notes(),
     }
     del teacher
     return model
