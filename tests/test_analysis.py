@@ -280,3 +280,13 @@ def test_placeholder_prices_and_estimated_energy_are_said_in_the_recommendation(
     run.resources.energy_source = "rapl"
     reason = recommend([run], "fp32", PROFILES["edge"])["reasons"]["fp32"]
     assert "placeholder" not in reason and "estimated" not in reason
+
+
+def test_operator_families_of_the_new_recipes_regions() -> None:
+    from variantbench.analysis.diagnosis import family_of
+
+    assert family_of("linear_attention") == "attention"  # the linear-attn student's region
+    assert family_of("quantize_per_token") == "quantize/dequantize"  # int8:act=token's row scaling
+    assert family_of("quantized::linear_dynamic") == "matmul"  # FBGEMM quantizes inside the kernel
+    assert family_of("aten::linear") == family_of("aten::bmm") == "matmul"
+    assert family_of("aten::scaled_dot_product_attention") == "attention"

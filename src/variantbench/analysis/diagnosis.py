@@ -31,12 +31,13 @@ _CONVERSIONS = ("aten::to", "aten::_to_copy")
 
 def family_of(name: str) -> str:
     n = name.lower()
+    # attention first: the engine's "linear_attention" region (the linear-attn student) is attention
+    if "scaled_dot_product" in n or "attention" in n or "softmax" in n:
+        return "attention"
     if any(
         k in n for k in ("linear", "matmul", "aten::mm", "aten::bmm", "addmm", "baddbmm", "gemm", "aten::dot")
     ):
         return "matmul"
-    if "scaled_dot_product" in n or "attention" in n or "softmax" in n:
-        return "attention"
     if "quantize" in n or "dequant" in n or "qparams" in n or n in _CONVERSIONS:
         return "quantize/dequantize"
     if "rms_norm" in n or "layer_norm" in n or "rsqrt" in n:
