@@ -94,7 +94,14 @@ class _Slowed:
         time.sleep((time.perf_counter() - start) * (self.factor - 1))
         return out
 
-    def generate_encoded(self, requests: list, encoded: list) -> list:  # the runner's path (EncodesAhead)
+    # the runner's path (EncodesAhead): encoding and generation, each slowed as generate is
+    def encode_ahead(self, request: Any) -> Any:
+        start = time.perf_counter()
+        out = self.inner.encode_ahead(request)
+        time.sleep((time.perf_counter() - start) * (self.factor - 1))
+        return out
+
+    def generate_encoded(self, requests: list, encoded: list) -> list:
         start = time.perf_counter()
         out = self.inner.generate_encoded(requests, encoded)
         time.sleep((time.perf_counter() - start) * (self.factor - 1))
