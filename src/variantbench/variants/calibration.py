@@ -124,6 +124,21 @@ def logit_kl(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, floa
     return kl, float((reference.argmax(-1) == logits.argmax(-1)).float().mean())
 
 
+def int8_kl(
+    model: nn.Module,
+    reference: torch.Tensor,
+    windows: torch.Tensor,
+    per_token: bool,
+    keep: set[str] = frozenset(),  # type: ignore[assignment]
+) -> tuple[float, float]:
+    """(KL, top-1) of the int8 form of ``model`` (a copy; ``keep`` stays float) against ``reference``
+    logits on ``windows``: what the int8 step after a recipe will give."""
+    from variantbench.variants.int8 import quantize_linears
+
+    with torch.inference_mode():
+        return logit_kl(reference, quantize_linears(copy.deepcopy(model), per_token, keep)(windows).logits)
+
+
 def held_out_windows(ids: list[int], rows: int = 4, length: int = 256) -> torch.Tensor:
     """Consecutive windows from the start of the held-out text (no sampling: the same every build)."""
     length = min(length, max(8, len(ids) // rows))

@@ -15,7 +15,6 @@ worst 32 took it from 0.24 to 0.07 (per-tensor). The count is the user's trade o
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, ClassVar, Literal
 
@@ -29,9 +28,9 @@ from variantbench.variants.calibration import (
     calibration_batch,
     held_out_windows,
     int8_errors,
-    logit_kl,
+    int8_kl,
 )
-from variantbench.variants.int8 import FLOAT_LAYERS, quantize_linears
+from variantbench.variants.int8 import FLOAT_LAYERS
 
 
 class KeepFp32(Recipe):
@@ -78,10 +77,8 @@ def keep_fp32(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     names = sorted(r["layer"] for r in kept)
     with torch.inference_mode():
         reference = model(windows).logits
-        everything = logit_kl(reference, quantize_linears(copy.deepcopy(model), per_token)(windows).logits)
-        mixed = logit_kl(
-            reference, quantize_linears(copy.deepcopy(model), per_token, set(names))(windows).logits
-        )
+    everything = int8_kl(model, reference, windows, per_token)
+    mixed = int8_kl(model, reference, windows, per_token, set(names))
     setattr(model.config, FLOAT_LAYERS, names)
     ctx.progress("keep-fp32", 2, 2)
     ctx.notes["keep-fp32"] = {

@@ -16,7 +16,6 @@ configs round on other grids (8-bit per-token), so they would train for a kernel
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -28,9 +27,9 @@ import torch.nn.functional as F
 
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, keyword_args, register
-from variantbench.variants.calibration import held_out_windows, linears, logit_kl
+from variantbench.variants.calibration import held_out_windows, int8_kl, linears
 from variantbench.variants.distill import Precision, train_to_teacher
-from variantbench.variants.int8 import FLOAT_LAYERS, quantize_linears
+from variantbench.variants.int8 import FLOAT_LAYERS
 
 
 class QatInt8(Recipe):
@@ -99,13 +98,6 @@ def _swap(model: nn.Module, kind: type[nn.Module], make: Any, keep: set[str]) ->
                 setattr(parent, child_name, make(child))
 
 
-def _int8_kl(
-    model: nn.Module, reference: torch.Tensor, windows: torch.Tensor, per_token: bool, keep: set[str]
-) -> tuple[float, float]:
-    with torch.inference_mode():
-        return logit_kl(reference, quantize_linears(copy.deepcopy(model), per_token, keep)(windows).logits)
-
-
 @register(
     "qat-int8", QatInt8, "quantization-aware training against the fp32 teacher, for the int8 that follows"
 )
@@ -126,7 +118,7 @@ def qat_int8(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     windows = held_out_windows(ctx.held_out_ids, length=recipe.seq)
     with torch.inference_mode():
         reference = teacher(windows).logits
-    before = _int8_kl(model, reference, windows, per_token, keep)
+    before = int8_kl(model, reference, windows, per_token, keep)
     head, embed = model.lm_head, model.model.embed_tokens
     if head.weight is embed.weight:  # the head learns its own rounding; the lookup table stays put
         head.weight = nn.Parameter(head.weight.detach().clone())
@@ -139,7 +131,7 @@ def qat_int8(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     _swap(model, FakeInt8Linear, lambda fake: fake.linear, set())
     model.eval()
     embed.weight.requires_grad_(True)
-    after = _int8_kl(model, reference, windows, per_token, keep)
+    after = int8_kl(model, reference, windows, per_token, keep)
     curve = {"steps": recipe.steps, "lr": recipe.lr, "temperature": recipe.temperature, "loss": losses}
     Path(ctx.artifact_dir, "qat_loss.json").write_text(json.dumps(curve))
     ctx.notes["qat-int8"] = {

@@ -35,7 +35,7 @@ from variantbench.variants.calibration import (
     held_out_windows,
     input_absmax,
     int8_errors,
-    logit_kl,
+    int8_kl,
 )
 
 
@@ -115,16 +115,6 @@ def smooth_model(model: nn.Module, batch: torch.Tensor, alpha: float) -> None:
         model.lm_head.weight.mul_(s)
 
 
-def _int8_kl(model: nn.Module, reference: torch.Tensor, windows: torch.Tensor) -> tuple[float, float]:
-    import copy
-
-    from variantbench.variants.int8 import quantize_linears
-
-    quantized = quantize_linears(copy.deepcopy(model), per_token=True)
-    with torch.inference_mode():
-        return logit_kl(reference, quantized(windows).logits)
-
-
 @register("smooth", Smooth, "migrate activation outliers into the weights before int8 (alpha=, SmoothQuant)")
 def smooth(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
     assert isinstance(recipe, Smooth)
@@ -138,7 +128,7 @@ def smooth(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         reference = model(windows).logits
     ctx.progress("smooth", 0, 3)
     errors_before = int8_errors(model, batch, per_token=True)
-    kl_before = _int8_kl(model, reference, windows)
+    kl_before = int8_kl(model, reference, windows, per_token=True)
     ctx.progress("smooth", 1, 3)
     smooth_model(model, batch, recipe.alpha)
     with torch.inference_mode():
@@ -150,7 +140,7 @@ def smooth(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
         )
     ctx.progress("smooth", 2, 3)
     errors_after = int8_errors(model, batch, per_token=True)
-    kl_after = _int8_kl(model, reference, windows)
+    kl_after = int8_kl(model, reference, windows, per_token=True)
     ctx.progress("smooth", 3, 3)
     ctx.notes["smooth"] = {
         "alpha": recipe.alpha,
