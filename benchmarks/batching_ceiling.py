@@ -30,6 +30,7 @@ servers, so it bounds what batching can buy: capacity(inf) / capacity(1) = (P + 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import os
 import statistics
 import time
@@ -53,6 +54,114 @@ def _timed(fn) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
+@dataclass
+class Costs:
+    """What one variant's continuous batch costs here: prefill alone, answer length, decode steps."""
+
+    prefill_s: float  # P: one request's prefill, alone (mean)
+    answer: float  # T: mean answer length (tokens)
+    steps: dict[int, float]  # s(r): decode step seconds at r rows
+
+    def capacity(self, rows: int) -> float:
+        """Requests/s when every step runs ``rows`` rows (no queueing)."""
+        return 1 / (self.prefill_s + self.answer * self.steps[rows] / rows)
+
+    def at_target(self, rows: int, target_s: float, longest: int) -> float:
+        """The largest rate meeting both capacity(rows) and the latency target: a rate lam spends
+        lam * P of every second on prefill, so a step of r rows takes s(r) / (1 - lam * P) of wall
+        time, and the longest answer needs ``longest`` such steps."""
+        decode = longest * self.steps[rows]
+        return max(0.0, min(self.capacity(rows), (1 - decode / target_s) / self.prefill_s))
+
+    def ceilings(self, target_s: float, longest: int) -> tuple[float, float]:
+        """(batch 1's ceiling, the best batched ceiling) at the target, requests/s."""
+        return self.at_target(1, target_s, longest), max(
+            self.at_target(r, target_s, longest) for r in ROWS[1:]
+        )
+
+
+def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_lengths: str = "fixed:64",
+            prefix_cache_mb: float = 256.0, threads: int | None = None, seed: int = 0,
+            say=print) -> Costs:  # noqa: ANN001  # fmt: skip
+    """P, T and s(r) on the variant's own continuous batch (the one ``variantbench serve`` runs, its
+    prefix cache warmed on a few other prompts of the workload), in this process."""
+    if not 1 <= requests <= max(ROWS):
+        raise ValueError(f"requests must be within 1..{max(ROWS)}")
+    threads = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    base = str(prepare_model(parse_model(None), status=say))
+    warm = 4
+    library = build_synthetic(warm + requests + max(ROWS), seed,
+                              lengths=parse_lengths(input_lengths), counter=tokenizer_counter(base))  # fmt: skip
+    backend = make_backend(VariantSpec.parse(variant), None, base, threads=threads)
+    backend.load()
+    try:
+        reqs = [
+            GenerationRequest(s.sample_id, s.prompt, messages=s.messages, max_new_tokens=output_tokens)
+            for s in library.samples
+        ]
+        prompts = [backend.encode(r) for r in reqs]
+        batch = batch_for(backend, max(ROWS), 1024, prefix_cache_mb=prefix_cache_mb)
+        if not hasattr(batch, "join"):
+            raise SystemExit(f"{variant}: its serving batch cannot prefill alone; use a torch variant")
+        say(
+            f"{variant}, {threads} threads, prompts {input_lengths} tokens (chat), max_tokens {output_tokens}"
+        )
+
+        # P: prefill alone, the prefix cache warmed on prompts of the same workload
+        for i in range(warm):
+            batch.join(("warm", i), prompts[i], output_tokens)
+            batch.leave(("warm", i))
+        counts = dict(getattr(batch, "prompt_tokens", {}))
+        timed = prompts[warm : warm + requests]
+        prefill = []
+        for i, ids in enumerate(timed):
+            prefill.append(_timed(lambda ids=ids, i=i: batch.join(("p", i), ids, output_tokens)))
+            batch.leave(("p", i))
+        p_s = statistics.mean(prefill)
+        tokens = ""
+        if counts:
+            computed = (batch.prompt_tokens["computed"] - counts["computed"]) / len(timed)
+            cached = (batch.prompt_tokens["cached"] - counts["cached"]) / len(timed)
+            tokens = f" ({computed:.1f} prompt tokens computed + {cached:.1f} from the prefix cache)"
+        say(
+            f"P  prefill alone: {p_s * 1e3:.0f} ms per request, median {statistics.median(prefill) * 1e3:.0f} ms{tokens}"
+        )
+
+        # T: the answers' lengths, all the timed prompts decoded together to their end
+        emitted: dict[object, int] = {}
+        for i, ids in enumerate(timed):
+            _, done = batch.join(("t", i), ids, output_tokens)
+            emitted[("t", i)] = 1
+            if done:
+                batch.leave(("t", i))
+        while batch.active:
+            for key, _token, done in batch.step():
+                emitted[key] += 1
+                if done:
+                    batch.leave(key)
+        answer = statistics.mean(emitted.values())
+        say(f"T  answer length: {answer:.1f} tokens on average, {max(emitted.values())} at most")
+
+        # s(r): decode steps with r rows, the write index where a served request's sits
+        steps: dict[int, float] = {}
+        fresh = prompts[warm + requests :]
+        for rows in ROWS:
+            for i in range(rows):
+                batch.join(("s", i), fresh[i], 400)
+            for _ in range(80):
+                batch.step()
+            steps[rows] = statistics.median(_timed(batch.step) for _ in range(12))
+            step = steps[rows]
+            say(f"s({rows:2d}) decode step: {step * 1e3:6.1f} ms = {step / rows * 1e3:5.1f} ms per token "
+                f"(cache index {batch.cur})")  # fmt: skip
+            for i in range(rows):
+                batch.leave(("s", i))
+    finally:
+        backend.close()
+    return Costs(p_s, answer, steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="fp32", help="a torch-engine variant of the default model")
@@ -67,97 +176,25 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.requests <= max(ROWS):
         ap.error(f"--requests must be within 1..{max(ROWS)}")
-
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    base = str(prepare_model(parse_model(None), status=print))
-    warm = 4
-    library = build_synthetic(warm + args.requests + max(ROWS), args.seed,
-                              lengths=parse_lengths(args.input_lengths), counter=tokenizer_counter(base))  # fmt: skip
-    backend = make_backend(VariantSpec.parse(args.variant), None, base, threads=threads)
-    backend.load()
-    requests = [
-        GenerationRequest(s.sample_id, s.prompt, messages=s.messages, max_new_tokens=args.output_tokens)
-        for s in library.samples
-    ]
-    prompts = [backend.encode(r) for r in requests]
-    batch = batch_for(backend, max(ROWS), 1024, prefix_cache_mb=args.prefix_cache_mb)
-    if not hasattr(batch, "join"):
-        raise SystemExit(f"{args.variant}: its serving batch cannot prefill alone; use a torch variant")
-    print(f"{args.variant}, {threads} threads, prompts {args.input_lengths} tokens (chat), "
-          f"max_tokens {args.output_tokens}", flush=True)  # fmt: skip
-
-    # P: prefill alone, the prefix cache warmed on prompts of the same workload
-    for i in range(warm):
-        batch.join(("warm", i), prompts[i], args.output_tokens)
-        batch.leave(("warm", i))
-    counts = dict(getattr(batch, "prompt_tokens", {}))
-    timed = prompts[warm : warm + args.requests]
-    prefill = []
-    for i, ids in enumerate(timed):
-        prefill.append(_timed(lambda ids=ids, i=i: batch.join(("p", i), ids, args.output_tokens)))
-        batch.leave(("p", i))
-    p_s = statistics.mean(prefill)
-    tokens = ""
-    if counts:
-        computed = (batch.prompt_tokens["computed"] - counts["computed"]) / len(timed)
-        cached = (batch.prompt_tokens["cached"] - counts["cached"]) / len(timed)
-        tokens = f" ({computed:.1f} prompt tokens computed + {cached:.1f} from the prefix cache)"
-    median = statistics.median(prefill)
-    print(f"P  prefill alone: {p_s * 1e3:.0f} ms per request, median {median * 1e3:.0f} ms{tokens}")
-
-    # T: the answers' lengths, all the timed prompts decoded together to their end
-    emitted: dict[object, int] = {}
-    for i, ids in enumerate(timed):
-        _, done = batch.join(("t", i), ids, args.output_tokens)
-        emitted[("t", i)] = 1
-        if done:
-            batch.leave(("t", i))
-    while batch.active:
-        for key, _token, done in batch.step():
-            emitted[key] += 1
-            if done:
-                batch.leave(key)
-    answer = statistics.mean(emitted.values())
-    print(f"T  answer length: {answer:.1f} tokens on average, {max(emitted.values())} at most")
-
-    # s(r): decode steps with r rows, the write index where a served request's sits
-    steps: dict[int, float] = {}
-    fresh = prompts[warm + args.requests :]
-    for rows in ROWS:
-        for i in range(rows):
-            batch.join(("s", i), fresh[i], 400)
-        for _ in range(80):
-            batch.step()
-        steps[rows] = statistics.median(_timed(batch.step) for _ in range(12))
-        step = steps[rows]
-        print(f"s({rows:2d}) decode step: {step * 1e3:6.1f} ms = {step / rows * 1e3:5.1f} ms per token "
-              f"(cache index {batch.cur})", flush=True)  # fmt: skip
-        for i in range(rows):
-            batch.leave(("s", i))
-
+    costs = measure(args.variant, args.requests, args.output_tokens, args.input_lengths, args.prefix_cache_mb,
+                    args.threads, args.seed, say=lambda m: print(m, flush=True))  # fmt: skip
     target, longest = args.p99_target_s, args.output_tokens
-
-    def ceiling(rows: int) -> tuple[float, float, float]:  # capacity, longest decode, lam at the target
-        cap = 1 / (p_s + answer * steps[rows] / rows)
-        decode = longest * steps[rows]
-        # latency: longest * s(r) / (1 - lam * P) <= target  =>  lam <= (1 - decode / target) / P
-        return cap, decode, max(0.0, min(cap, (1 - decode / target) / p_s))
-
-    one, decode_one, one_at = ceiling(1)
+    p_s, answer, steps = costs.prefill_s, costs.answer, costs.steps
+    one, one_at = costs.capacity(1), costs.at_target(1, target, longest)
     print(
         f"\nbatch 1: {p_s + answer * steps[1]:.2f} s of compute per request, capacity {one:.3f} req/s, "
-        f"{one_at:.3f} req/s at the target (longest answer's decode alone {decode_one:.1f} s)"
+        f"{one_at:.3f} req/s at the target (longest answer's decode alone {longest * steps[1]:.1f} s)"
     )
     print(
         "| rows | capacity req/s | x batch 1 | longest answer's decode s | at the target req/s | x batch 1 |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
-    best = 0.0
     for rows in ROWS[1:]:
-        cap, decode, at = ceiling(rows)
-        best = max(best, at)
-        print(f"| {rows} | {cap:.3f} | {cap / one:.2f} | {decode:.1f} | {at:.3f} | {at / one_at:.2f} |")
+        cap, at = costs.capacity(rows), costs.at_target(rows, target, longest)
+        print(
+            f"| {rows} | {cap:.3f} | {cap / one:.2f} | {longest * steps[rows]:.1f} | {at:.3f} | {at / one_at:.2f} |"
+        )
+    best = costs.ceilings(target, longest)[1]
     free = (p_s + answer * steps[1]) / p_s
     print(f"\nceilings over batch 1's (no queueing): {free:.2f}x if decode were free, {best / one_at:.2f}x at a "
           f"P99 of {target:g} s")  # fmt: skip

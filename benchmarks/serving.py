@@ -26,6 +26,12 @@ Every rate gets prompts of its own (no prompt repeats in a run), so the prefix c
 (b) reuses only what real traffic shares: the chat template and a task's instructions. The share of
 prompt tokens it served is printed; ``--prefix-cache-mb 0`` turns it off.
 
+Beside each of (a) and (b): its queue-free ceiling at the P99 target, from the costs
+``benchmarks/batching_ceiling.py`` measures (prefill alone, answer length, decode steps at 1-32
+rows), measured in this run before any server starts, and the share of it the server reached.
+Target of issue 21: (b) at least 85% of its ceiling, and (b)/(a) at least 3x wherever the ceilings'
+ratio is at least 3.5x.
+
 Also printed: the per-request overhead of our HTTP stack (starlette on uvicorn), as
 (client end-to-end time of a 1-token request) - (the server's own queue wait + compute for it, from
 its /metrics), and the round trip of GET /health beside the bare-ASGI no-op server's.
@@ -39,17 +45,18 @@ import importlib.util
 import json
 import math
 import os
-from pathlib import Path
 import re
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 
+import batching_ceiling  # this folder's: the same measurements, made in this run
+
 from variantbench.backends.openai_http import OpenAIBackend
 from variantbench.loadgen.harness import LoadSettings, run_scenario
-from variantbench.loadgen.noop_server import ProcessServer, free_port, stop_process
+from variantbench.loadgen.noop_server import ProcessServer, free_port
+from variantbench.loadgen.server_process import Running
 from variantbench.models import parse_model, prepare_model
 from variantbench.models.source import default_gguf
 from variantbench.paths import cache_root
@@ -84,38 +91,6 @@ class System:
     def goodput(self) -> Point | None:
         good = [p for p in self.points if p.passed]
         return max(good, key=lambda p: p.achieved_qps) if good else None
-
-
-class Running:
-    """A server command in its own process, ready when /v1/models answers."""
-
-    def __init__(self, command: list[str], port: int, timeout_s: float = 900.0) -> None:
-        self.command, self.port, self.timeout_s = command, port, timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> Running:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"vb-serving-{self.port}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                tail = Path(self.log.name).read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"{' '.join(self.command[:4])} did not start: {' | '.join(tail)}")
-            time.sleep(0.5)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, 60)
-        self.log.close()
 
 
 def measure(url: str, model: str, library, rate: float, queries: int, tokens: int, target_s: float,  # noqa: ANN001
@@ -258,6 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="threads per server (default: all cores)")
     ap.add_argument("--variant", default="fp32", help="the torch variant of (a) and (b)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0, help="our server's prefix cache (0: off)")
+    ap.add_argument("--ceiling-requests", type=int, default=30, help="prompts timed for the batching ceiling")
     args = ap.parse_args()
 
     base = str(prepare_model(parse_model(None), status=print))
@@ -287,6 +263,13 @@ def main() -> None:
         "d": System("d", f"our server on {gguf.name} via llama.cpp (batched, up to 32)", [*vb, "--variants", "gguf-q4_1"], "gguf-q4_1"),
     }  # fmt: skip
     chosen = [systems[k] for k in args.systems.split(",")]
+    ceilings: dict[str, float] = {}
+    if any(s.label in ("a", "b") for s in chosen):
+        # the queue-free ceilings of (a) and (b), from this machine's costs measured now (no server runs)
+        print("measuring the batching ceiling (benchmarks/batching_ceiling.py) first:", flush=True)
+        costs = batching_ceiling.measure(args.variant, args.ceiling_requests, args.output_tokens, args.input_lengths,
+                                         args.prefix_cache_mb, threads, args.seed, say=lambda m: print("  " + m, flush=True))  # fmt: skip
+        ceilings["a"], ceilings["b"] = costs.ceilings(args.p99_target_s, args.output_tokens)
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     server_extra = have_llama and importlib.util.find_spec("fastapi") is not None
     overhead: dict[str, float] | None = None
@@ -318,19 +301,23 @@ def main() -> None:
 
     print()
     print(f"Goodput at P99 end-to-end latency <= {args.p99_target_s:g} s (no errors), requests/s:")
-    print("| system | goodput req/s | at offered req/s | p50 s | p99 s | tokens/answer | rates tried |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| system | goodput req/s | queue-free ceiling req/s | share of it | at offered req/s | p50 s | p99 s | "
+          "tokens/answer | rates tried |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in chosen:
         if s.skipped:
-            print(f"| ({s.label}) {s.title} | skipped: {s.skipped} | | | | | |")
+            print(f"| ({s.label}) {s.title} | skipped: {s.skipped} | | | | | | | |")
             continue
         g = s.goodput
         tried = ", ".join(f"{p.rate:g}{'' if p.passed else '✗'}" for p in s.points)
+        ceiling = ceilings.get(s.label)
+        cells = f"{ceiling:.3f}" if ceiling else "n/a"
         if g is None:
-            print(f"| ({s.label}) {s.title} | 0 (no rate passed) | | | | | {tried} |")
+            print(f"| ({s.label}) {s.title} | 0 (no rate passed) | {cells} | | | | | | {tried} |")
         else:
-            print(f"| ({s.label}) {s.title} | {g.achieved_qps:.3f} | {g.rate:g} | {g.p50_s:.2f} | {g.p99_s:.2f} | "
-                  f"{g.mean_output_tokens:.1f} | {tried} |")  # fmt: skip
+            share = f"{g.achieved_qps / ceiling:.0%}" if ceiling else "n/a"
+            print(f"| ({s.label}) {s.title} | {g.achieved_qps:.3f} | {cells} | {share} | {g.rate:g} | {g.p50_s:.2f} | "
+                  f"{g.p99_s:.2f} | {g.mean_output_tokens:.1f} | {tried} |")  # fmt: skip
 
     def ratio(x: str, y: str) -> str:
         a, b = systems[x], systems[y]
@@ -342,7 +329,9 @@ def main() -> None:
         return f"{ga.achieved_qps / gb.achieved_qps:.2f}x"
 
     print()
-    print(f"batching on / off, torch {args.variant}   (b)/(a): {ratio('b', 'a')}   (target: at least 3x)")
+    ceiling_ratio = f"{ceilings['b'] / ceilings['a']:.2f}x" if ceilings.get("a") else "n/a"
+    print(f"batching on / off, torch {args.variant}   (b)/(a): {ratio('b', 'a')}   (ceilings' ratio {ceiling_ratio}; "
+          "target: (b) at least 85% of its ceiling, and (b)/(a) at least 3x where the ceilings' ratio is 3.5x or more)")  # fmt: skip
     print(f"our batched server / llama.cpp's server, same GGUF   (d)/(c): {ratio('d', 'c')}")
     print(f"engine: llama.cpp Q4_1 / torch {args.variant}, both batched   (d)/(b): {ratio('d', 'b')}")
     for s in chosen:

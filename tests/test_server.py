@@ -178,9 +178,9 @@ def test_priority_order_holds_under_a_backlog_and_overload_gets_429(backends) ->
         batch.stop_ids = frozenset()  # every request runs to max_tokens: the first surely holds the model
         real = batch.step
 
-        def slow_step():  # noqa: ANN202 - 3 ms more per step, so the backlog forms on any machine
+        def slow_step(*args):  # noqa: ANN002, ANN202 - 3 ms more per step, so the backlog forms on any machine
             time.sleep(0.003)
-            return real()
+            return real(*args)
 
         batch.step = slow_step
 
@@ -255,11 +255,11 @@ def test_a_failing_step_fails_only_its_batch(backends) -> None:  # noqa: ANN001
         real = batch.step
         calls = {"n": 0}
 
-        def flaky():  # noqa: ANN202 - the model raises once (an injected fault; the server is under test)
+        def flaky(*args):  # noqa: ANN002, ANN202 - the model raises once (an injected fault; the server is under test)
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("injected step failure")
-            return real()
+            return real(*args)
 
         batch.step = flaky
         r = httpx.post(srv.url + "/v1/completions", json={"model": "fp32", "prompt": PROMPT, "max_tokens": 6})
@@ -392,3 +392,32 @@ def test_route_command_compares_router_light_and_standard_on_held_out_samples(ti
     assert result.exit_code == 0, result.output
     for words in ("router", "always-light", "always-standard", "random-at-share", "routing overhead"):
         assert words in result.output
+
+
+def test_metrics_report_first_token_objectives_per_priority_level(backends) -> None:  # noqa: ANN001
+    from variantbench.serving.scheduler import QueuePolicy
+
+    # level 0 gets the default 500 ms objective; level 1 one it cannot meet (and sheds what would miss it)
+    policies = {1: QueuePolicy(ttft_slo_ms=0.001, shed_late=True)}
+    with running(backends, policies=policies) as srv:
+        for priority in (0, 0, 5):
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "fp32", "prompt": PROMPT, "max_tokens": 3,
+                                                              "priority": priority})  # fmt: skip
+            assert r.status_code == 200
+        shed = httpx.post(srv.url + "/v1/completions", json={"model": "fp32", "prompt": PROMPT, "max_tokens": 3,
+                                                             "priority": 1})  # fmt: skip
+        assert shed.status_code == 503 and int(shed.headers["retry-after"]) >= 1
+        assert "first-token objective" in shed.json()["error"]["message"]
+        text = httpx.get(srv.url + "/metrics").text
+
+    def value(line: str) -> float:
+        found = [x for x in text.splitlines() if x.startswith(line + " ")]
+        assert found, line
+        return float(found[0].split()[-1])
+
+    assert value('variantbench_ttft_slo_requests_total{model="fp32",outcome="met",priority="0"}') == 2
+    assert value('variantbench_ttft_slo_attainment{model="fp32",priority="0"}') == 1.0
+    assert value('variantbench_ttft_slo_requests_total{model="fp32",outcome="rejected",priority="1"}') == 1
+    assert value('variantbench_ttft_by_priority_seconds_count{model="fp32",priority="5"}') == 1
+    assert 'priority="5"' not in "".join(x for x in text.splitlines() if x.startswith("variantbench_ttft_slo"))
+    assert value('variantbench_busy_seconds_total{model="fp32"}') > 0

@@ -671,9 +671,16 @@ def serve(
     queue_policy: Annotated[
         list[str] | None,
         typer.Option(
-            help="per priority level: LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay (repeatable)"
+            help="per priority level: LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay,ttft_slo_ms=S,"
+            "shed_late=true|false (repeatable)"
         ),
     ] = None,
+    ttft_slo_ms: Annotated[
+        float,
+        typer.Option(
+            help="priority 0's first-token objective (ms): less urgent prefill yields to it; 0: none"
+        ),
+    ] = 500.0,
     router: Annotated[
         str | None, typer.Option(help="tiered router over LIGHT,STANDARD variants, e.g. int8,fp32")
     ] = None,
@@ -727,7 +734,8 @@ def serve(
         policies = dict(parse_queue_policy(p) for p in queue_policy or [])
         options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                queue_timeout_ms=queue_timeout_ms, max_len=max_len, prefill_chunk=prefill_chunk,
-                               prefix_cache_mb=prefix_cache_mb, policies=policies)  # fmt: skip
+                               prefix_cache_mb=prefix_cache_mb, policies=policies,
+                               ttft_slo_ms=ttft_slo_ms or None)  # fmt: skip
         base = str(prepare_model(parse_model(model), status=say))
         models = load_models(base, names, options, device=device, threads=threads, say=say)
     except UserError as exc:

@@ -87,3 +87,9 @@ def describe_environment(torch_details: bool = True) -> dict[str, Any]:
         if torch.cuda.is_available():
             env["gpu"] = {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
     return env
+
+
+def cpu_summary() -> str:
+    """One line for a benchmark's head: the CPU, the extensions that pick its kernels, the cores."""
+    flags = _cpu_flags()
+    return f"CPU: {_cpu_model()} ({', '.join(flags) or 'no extensions read'}), {usable_cores()} usable cores"

@@ -121,19 +121,50 @@ class Metrics:
                               buckets=fine, registry=r)  # fmt: skip
         self.itl = Histogram("variantbench_inter_token_seconds", "Gap between consecutive tokens", ["model"],
                              buckets=fine, registry=r)  # fmt: skip
+        self.ttft_level = Histogram("variantbench_ttft_by_priority_seconds", "Request received to the first "
+                                    "token, by priority level", ["model", "priority"], buckets=fine, registry=r)  # fmt: skip
+        self.slo = Counter("variantbench_ttft_slo_requests", "Requests of a level with a first-token objective, by "
+                           "outcome: met, missed, or rejected (429/503 before a first token)",
+                           ["model", "priority", "outcome"], registry=r)  # fmt: skip
+        self.attainment = Gauge("variantbench_ttft_slo_attainment", "Share of a level's answered requests whose "
+                                "first token met its objective", ["model", "priority"], registry=r)  # fmt: skip
+        self._slo_counts: dict[tuple[str, str], list[int]] = {}
+        self.busy = Counter("variantbench_busy_seconds", "Time the model spent computing steps (decode, "
+                            "prefill or both): its share of wall time is how busy the variant is",
+                            ["model"], registry=r)  # fmt: skip
         self.routed = Counter("variantbench_router_decisions", "Tiered router decisions", ["router", "target"],
                               registry=r)  # fmt: skip
+
+    def first_token(self, model: ServedModel, priority: int, seconds: float) -> None:
+        """A request's first token, ``seconds`` after it was received: its level's TTFT and objective."""
+        level = str(priority)
+        self.ttft_level.labels(model.name, level).observe(seconds)
+        objective = model.worker.scheduler.policy(priority).ttft_slo_ms
+        if objective is None:
+            return
+        met = seconds * 1e3 <= objective
+        self.slo.labels(model.name, level, "met" if met else "missed").inc()
+        counts = self._slo_counts.setdefault((model.name, level), [0, 0])
+        counts[0 if met else 1] += 1
+        self.attainment.labels(model.name, level).set(counts[0] / (counts[0] + counts[1]))
+
+    def turned_away(self, model: ServedModel, priority: int) -> None:
+        """Rejected before a first token (429 or 503): counted against its level's objective, if any."""
+        if model.worker.scheduler.policy(priority).ttft_slo_ms is not None:
+            self.slo.labels(model.name, str(priority), "rejected").inc()
 
     def watch(self, model: ServedModel) -> None:
         w = model.worker
         self.queue_depth.labels(model.name).set_function(w.queue_depth)
         self.running.labels(model.name).set_function(lambda: w.batch.active)
         sizes, steps = self.batch_size.labels(model.name), self.step.labels(model.name)
+        busy = self.busy.labels(model.name)
 
         counts = getattr(w.batch, "prompt_tokens", None)  # the batch's own running totals
         seen = {"computed": 0, "cached": 0}
 
         def on_step(size: int, seconds: float, prompt_tokens: int) -> None:
+            busy.inc(seconds)
             if size:
                 sizes.observe(size)
                 steps.observe(seconds)
@@ -424,6 +455,7 @@ class Server:
                     key, parsed.ids, parsed.max_new, parsed.priority, parsed.deadline_s
                 )
             except Rejected as exc:
+                self.metrics.turned_away(target, parsed.priority)
                 kind = "rate_limit_exceeded" if exc.status == 429 else "server_overloaded"
                 raise ApiError(exc.status, str(exc), None, kind, kind, exc.retry_after_s) from None
             except ValueError as exc:
@@ -435,6 +467,8 @@ class Server:
                 return Response(status_code=499)
             if first[0] == "error":
                 status = first[1]
+                if status in (429, 503):
+                    self.metrics.turned_away(target, parsed.priority)
                 raise ApiError(status, first[2], None, "server_overloaded" if status == 503 else "internal_error",
                                "server_error", 1.0 if status == 503 else None)  # fmt: skip
         except ApiError as exc:
@@ -479,6 +513,7 @@ class _Run:
         seen = time.perf_counter_ns()
         if self.last_ns is None:
             m.ttft.labels(name).observe((seen - self.received_ns) / 1e9)
+            m.first_token(self.target, self.p.priority, (seen - self.received_ns) / 1e9)
             if queue_wait_s is not None:
                 m.queue_wait.labels(name).observe(queue_wait_s)
                 self.admitted_ns = self.arrival_ns + int(queue_wait_s * 1e9)

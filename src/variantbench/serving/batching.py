@@ -54,8 +54,17 @@ class ChunkedPrefill(Protocol):
 
     last_rows: int
     last_prompt_tokens: int
+    prefill_chunk: int  # prompt tokens per step when no plan says otherwise
 
-    def begin(self, key: Any, prompt: list[int], max_new: int) -> None: ...
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None: ...
+
+    def pending_prefills(self) -> list[Any]:
+        """``scheduler.Pending`` for each prompt still being prefilled."""
+        ...
+
+    def step(self, plan: Any = None) -> list[tuple[Any, int, bool]]:
+        """``plan``: a ``scheduler.StepPlan`` (prompt tokens per request, whether the rows decode)."""
+        ...
 
 
 def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float) -> Any:

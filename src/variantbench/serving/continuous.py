@@ -38,6 +38,14 @@ import torch
 from variantbench.backends.engine import PromptPiece
 from variantbench.errors import UserError
 from variantbench.serving.prefix_cache import PrefixCache
+from variantbench.serving.scheduler import Pending, StepPlan
+
+# On a GPU, decode rows attend row by row (each over its own positions) only when they use less than
+# this share of the masked window and the padding exceeds this many row-positions (every call is a
+# kernel launch); on a CPU always: 10 rows (one of 2,000 positions, nine of 150) stepped in 150 ms
+# row by row against 264 ms masked, and nine rows of 150 in 103 ms against 111
+PER_ROW_SHARE = 0.6
+PER_ROW_MIN_WASTE = 2048
 
 
 class NoRoom(RuntimeError):
@@ -75,6 +83,8 @@ class _Prefill:
     cache: torch.Tensor  # its own keys/values, [layers, 2, 1, kv_heads, len(prompt), head_dim]
     done: int = 0  # prompt tokens whose keys/values are in ``cache``
     first: int | None = None  # the first output token, once the whole prompt is in
+    priority: int = 0
+    seq: int = 0  # order taken in
 
 
 class ContinuousBatch:
@@ -113,6 +123,7 @@ class ContinuousBatch:
         self.last_prompt_tokens = 0  # prompt tokens computed in the last step (chunked prefill)
         # every prompt token taken in, by where its keys/values came from
         self.prompt_tokens = {"computed": 0, "cached": 0}
+        self._taken = 0  # requests taken in, for their order
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -133,7 +144,7 @@ class ContinuousBatch:
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= self.max_len
 
-    def _new_prefill(self, key: Any, prompt: list[int], max_new: int) -> _Prefill:
+    def _new_prefill(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> _Prefill:
         n = len(prompt)
         check_join(self, n, max_new)
         longest = max([n, *(len(p.prompt) for p in self.pending)])
@@ -151,12 +162,17 @@ class ContinuousBatch:
             at += size
         self.prompt_tokens["cached"] += hit
         self.prompt_tokens["computed"] += n - hit
-        return _Prefill(key, list(prompt), max_new, cache, done=hit)
+        self._taken += 1
+        return _Prefill(key, list(prompt), max_new, cache, done=hit, priority=priority, seq=self._taken)
 
-    def begin(self, key: Any, prompt: list[int], max_new: int) -> None:
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
         """Take a request in; the next steps prefill its prompt in chunks beside the decode rows, and
         the step that completes it returns its first token."""
-        self.pending.append(self._new_prefill(key, prompt, max_new))
+        self.pending.append(self._new_prefill(key, prompt, max_new, priority))
+
+    def pending_prefills(self) -> list[Pending]:
+        """The prompts still being prefilled (for ``scheduler.plan_prefill``)."""
+        return [Pending(p.key, p.priority, len(p.prompt) - p.done, p.seq) for p in self.pending]
 
     @torch.inference_mode()
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
@@ -245,19 +261,28 @@ class ContinuousBatch:
                 keys = torch.arange(start + length, device=dev)
                 mask = (keys[None, :] <= keys[start:, None])[None, None]
             pieces.append(PromptPiece(dec._cache_views(p.cache), start, length, mask))
-        row_cache, row_mask, lo = [], None, 0
+        row_cache, row_mask, lo, row_starts = [], None, 0, None
         if rows:
             # attend over the window the rows use, not from index 0: under steady load the write
             # index climbs towards max_len long before the cache is compacted
-            lo = min(s.start for s in self.slots[:rows])
-            starts = torch.tensor([s.start for s in self.slots[:rows]], device=dev)
-            row_mask = (torch.arange(lo, self.cur + 1, device=dev)[None, :] >= starts[:, None])[:, None, None]
+            first = [s.start for s in self.slots[:rows]]
+            lo = min(first)
+            window = self.cur + 1 - lo
+            used = sum(self.cur + 1 - a for a in first)
+            padded = used < PER_ROW_SHARE * rows * window and rows * window - used > PER_ROW_MIN_WASTE
+            if rows > 1 and (dev.type == "cpu" or padded):
+                row_starts = [a - lo for a in first]  # row by row: most of the window is other rows' padding
+            else:
+                starts = torch.tensor(first, device=dev)
+                row_mask = (torch.arange(lo, self.cur + 1, device=dev)[None, :] >= starts[:, None])[
+                    :, None, None
+                ]
             row_cache = dec._cache_views(self.storage[:, :, :rows, :, lo:])
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         with dec._region("decode_step" if not chunks else "mixed_step" if rows else "prefill"):
             hidden = dec._forward_ragged(dec._embed(ids_t), pos_t, rows, row_cache, self.cur - lo, row_mask,
-                                         pieces, self.rope)  # fmt: skip
+                                         pieces, self.rope, row_starts)  # fmt: skip
             pick, ends, at = list(range(rows)), [], rows
             for p, start, length in chunks:
                 at += length
@@ -275,21 +300,32 @@ class ContinuousBatch:
         return [int(t) for t in tokens[:rows]]
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[Any, int, bool]]:
-        """One step: a decode step for every active row, plus up to ``prefill_chunk`` prompt tokens
-        of the requests taken in by ``begin``. Returns [(key, new token, done)], a newcomer's first
-        token among them once its prompt is complete."""
+    def step(self, plan: StepPlan | None = None) -> list[tuple[Any, int, bool]]:
+        """One step: a decode step for every active row, plus prompt tokens of the requests taken in
+        by ``begin``: as ``plan`` says (the scheduler's: tokens per request, and whether the rows
+        decode or pause this step), or up to ``prefill_chunk`` by level then order taken in. Returns
+        [(key, new token, done)], a newcomer's first token among them once its prompt is complete.
+        A paused row keeps its keys/values and position: it simply does not advance this step."""
         for p in [p for p in self.pending if p.first is not None]:  # prefilled earlier, waiting for room
             if self._place(p):
                 self.pending.remove(p)
-        rows = len(self.slots)
-        chunks, budget = [], self.prefill_chunk
-        for p in self.pending:
-            left = len(p.prompt) - p.done
-            if left and budget:
-                take = min(left, budget)
-                chunks.append((p, p.done, take))
-                budget -= take
+        rows = len(self.slots) if plan is None or plan.decode or not plan.prefill else 0
+        chunks = []
+        if plan is None:
+            budget = self.prefill_chunk
+            for p in sorted(self.pending, key=lambda p: (p.priority, p.seq)):
+                left = len(p.prompt) - p.done
+                if left and budget:
+                    take = min(left, budget)
+                    chunks.append((p, p.done, take))
+                    budget -= take
+        else:
+            by_key = {p.key: p for p in self.pending}
+            for key, take in plan.prefill:
+                p = by_key[key]
+                take = min(take, len(p.prompt) - p.done)
+                if take > 0:
+                    chunks.append((p, p.done, take))
         self.last_rows, self.last_prompt_tokens = rows, sum(c[2] for c in chunks)
         if not rows and not chunks:
             return []
@@ -299,7 +335,7 @@ class ContinuousBatch:
                 raise NoRoom("the KV cache is full")
         tokens = self._compute(rows, chunks)
         out = []
-        for slot, token in zip(self.slots, tokens, strict=True):
+        for slot, token in zip(self.slots[:rows], tokens, strict=True):
             if slot.done:
                 continue
             slot.position += 1

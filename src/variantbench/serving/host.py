@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from variantbench.errors import UserError
@@ -13,7 +13,7 @@ from variantbench.serving.worker import BatchWorker
 
 
 def parse_queue_policy(text: str) -> tuple[int, QueuePolicy]:
-    """``LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay`` (any subset after the colon)."""
+    """``LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay,ttft_slo_ms=S,shed_late=true|false`` (any subset after the colon)."""
     level, sep, rest = text.partition(":")
     try:
         prio = int(level)
@@ -23,7 +23,7 @@ def parse_queue_policy(text: str) -> tuple[int, QueuePolicy]:
         ) from None
     if not sep:
         raise UserError(
-            f"--queue-policy {text!r}: expected LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay"
+            f"--queue-policy {text!r}: expected LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay,ttft_slo_ms=S,shed_late=true|false"
         )
     policy = QueuePolicy()
     for item in filter(None, (p.strip() for p in rest.split(","))):
@@ -37,13 +37,21 @@ def parse_queue_policy(text: str) -> tuple[int, QueuePolicy]:
                 policy.timeout_ms = float(value)
                 if policy.timeout_ms <= 0:
                     raise ValueError
+            elif key == "ttft_slo_ms":
+                policy.ttft_slo_ms = float(value)
+                if policy.ttft_slo_ms <= 0:
+                    raise ValueError
+            elif key == "shed_late":
+                if value not in ("true", "false"):
+                    raise ValueError
+                policy.shed_late = value == "true"
             elif key == "on_timeout":
                 if value not in ("reject", "delay"):
                     raise ValueError
                 policy.on_timeout = value
             else:
                 raise UserError(
-                    f"--queue-policy {text!r}: unknown key {key!r} (max_queue, timeout_ms, on_timeout)"
+                    f"--queue-policy {text!r}: unknown key {key!r} (max_queue, timeout_ms, on_timeout, ttft_slo_ms, shed_late)"
                 )
         except ValueError:
             raise UserError(f"--queue-policy {text!r}: bad value for {key}: {value!r}") from None
@@ -61,6 +69,8 @@ class ServeOptions:
     prefill_chunk: int = 256  # prompt tokens per step, prefilled beside the decode rows (torch engine)
     prefix_cache_mb: float = 256.0  # keys/values of prompt prefixes kept for reuse (torch engine); 0: off
     policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
+    # level 0's first-token objective unless its own policy sets one (None: none); the seeds' promise
+    ttft_slo_ms: float | None = 500.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -77,6 +87,19 @@ class ServeOptions:
             raise UserError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
         if self.max_len < 8:
             raise UserError(f"--max-len must be at least 8, got {self.max_len}")
+        if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
+            raise UserError(
+                f"--ttft-slo-ms must be positive (0 on the command line: none), got {self.ttft_slo_ms}"
+            )
+
+    def level_policies(self) -> dict[int, QueuePolicy]:
+        """The per-level policies, level 0 given the default first-token objective if it sets none."""
+        out = dict(self.policies)
+        if self.ttft_slo_ms is not None:
+            zero = out.get(0) or QueuePolicy(max_queue=self.max_queue, timeout_ms=self.queue_timeout_ms)
+            if zero.ttft_slo_ms is None:
+                out[0] = replace(zero, ttft_slo_ms=self.ttft_slo_ms)
+        return out
 
 
 def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
@@ -87,7 +110,7 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
                       prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
-                         policies=dict(options.policies), name=name)  # fmt: skip
+                         policies=options.level_policies(), name=name)  # fmt: skip
     return ServedModel(name, backend, backend.tokenizer, worker, dict(backend.info()))
 
 

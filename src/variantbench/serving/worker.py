@@ -24,9 +24,41 @@ from typing import Any
 
 from variantbench.serving.batching import ChunkedPrefill
 from variantbench.serving.continuous import NoRoom
-from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket
+from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket, Urgency, plan_prefill
 
 RECENT_STEPS = 4096  # decode-step sizes and hold-opens kept for inspection (tests, debugging)
+LIVE_S = 5.0  # a level with a TTFT objective counts as live this long after its last arrival (at least)
+
+
+def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
+
+
+class _Level:
+    """One priority level's recent traffic: when its requests arrive and how long their prompts are."""
+
+    def __init__(self) -> None:
+        self.last_s: float | None = None
+        self.gap_s: float | None = None
+        self.prompts: deque[int] = deque(maxlen=64)
+
+    def arrived(self, t: float, prompt_tokens: int) -> None:
+        if self.last_s is not None:
+            gap = t - self.last_s
+            self.gap_s = gap if self.gap_s is None else 0.8 * self.gap_s + 0.2 * gap
+        self.last_s = t
+        self.prompts.append(prompt_tokens)
+
+    def live(self, now_s: float) -> bool:
+        """An arrival is still expected: the last one is recent against the level's own rhythm."""
+        if self.last_s is None:
+            return False
+        return now_s - self.last_s < max(LIVE_S, 4 * (self.gap_s or 0.0))
+
+    def typical_prompt(self) -> int:
+        ranked = sorted(self.prompts)
+        return ranked[int(0.9 * (len(ranked) - 1))] if ranked else 0
 
 
 @dataclass
@@ -61,6 +93,9 @@ class BatchWorker:
         self._last_arrival: float | None = None
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
         self._started: dict[Any, float] = {}  # taken in, first token not out yet: key -> queue wait (s)
+        self._levels: dict[int, _Level] = {}  # by priority: recent arrivals (for the TTFT objectives)
+        self._prefilling: dict[int, int] = {}  # prompt tokens still to prefill in the batch, by priority
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
 
     def start(self) -> BatchWorker:
         self._thread.start()
@@ -82,7 +117,9 @@ class BatchWorker:
                         deadline_ns=now + int(deadline_s * 1e9) if deadline_s else None, payload=prompt)  # fmt: skip
         live = _Live(asyncio.get_running_loop(), asyncio.Queue())
         with self._cond:
-            self.scheduler.submit(ticket, now, running=self.batch.active)  # may raise Rejected
+            self._levels.setdefault(priority, _Level()).arrived(now / 1e9, len(prompt))
+            # may raise Rejected
+            self.scheduler.submit(ticket, now, running=self.batch.active, prefilling=dict(self._prefilling))
             self._live[key] = live
             t = now / 1e9
             if self._last_arrival is not None:
@@ -121,7 +158,16 @@ class BatchWorker:
     def _emit(self, key: Any, event: tuple) -> None:
         live = self._live.get(key)
         if live is not None:
-            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+            self._outbox.setdefault(live.loop, []).append((live.events, event))
+
+    def _flush(self) -> None:
+        """Hand the events of this turn to their event loops: one wake-up per loop, not per token.
+
+        Each wake-up is a thread switch on a machine whose cores the model's threads fill; posting
+        every token on its own woke the server's loop ten times per step at ten rows."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, events in outbox.items():
+            loop.call_soon_threadsafe(_deliver, events)
 
     def _finish(self, key: Any, event: tuple) -> None:
         """Free the request's slot, then tell its client (who may look at the batch at once)."""
@@ -130,7 +176,7 @@ class BatchWorker:
             self._started.pop(key, None)
         self.batch.leave(key)
         if live is not None:
-            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+            self._outbox.setdefault(live.loop, []).append((live.events, event))
 
     def _take(self) -> tuple[list[Ticket], list[tuple[Ticket, str]], list[Any]] | None:
         """Under the lock: wait for work; then (tickets to admit, expired, cancelled keys), or None to stop."""
@@ -147,12 +193,29 @@ class BatchWorker:
             expired = self.scheduler.expire(now)
             tickets = []
             limit = self.scheduler.cost.useful_batch(self.batch.max_batch)  # adaptive: what still pays
-            while self.batch.active + len(tickets) < limit:
-                ticket = self.scheduler.pop(now)
+            while self.batch.active + len(tickets) < self.batch.max_batch:
+                ticket = self.scheduler.peek(now)
                 if ticket is None:
                     break
-                tickets.append(ticket)
+                # a request with a first-token objective joins even beyond the size that still pays
+                if (
+                    self.batch.active + len(tickets) >= limit
+                    and self.scheduler.policy(ticket.priority).ttft_slo_ms is None
+                ):
+                    break
+                tickets.append(self.scheduler.pop(now))
             return tickets, expired, cancelled
+
+    def urgency(self, now_s: float) -> Urgency | None:
+        """The most urgent level with a TTFT objective whose traffic is live, if any (under the lock)."""
+        pending = {p.priority for p in self.batch.pending_prefills() if p.left}
+        for level in sorted(self._levels):
+            slo = self.scheduler.policy(level).ttft_slo_ms
+            info = self._levels[level]
+            waiting = self.scheduler.depth(level) > 0
+            if slo is not None and (waiting or level in pending or info.live(now_s)):
+                return Urgency(level, slo / 1e3, info.typical_prompt(), waiting)
+        return None
 
     def _admit(self, tickets: list[Ticket]) -> None:
         chunked = isinstance(
@@ -162,7 +225,7 @@ class BatchWorker:
             t0 = time.perf_counter_ns()
             try:
                 if chunked:
-                    self.batch.begin(ticket.key, ticket.payload, ticket.max_new)
+                    self.batch.begin(ticket.key, ticket.payload, ticket.max_new, priority=ticket.priority)
                     self._started[ticket.key] = (t0 - ticket.arrival_ns) / 1e9
                     continue
                 first, done = self.batch.join(ticket.key, ticket.payload, ticket.max_new)
@@ -207,10 +270,12 @@ class BatchWorker:
     def _run(self) -> None:
         held = False
         while True:
+            self._flush()  # before _take, which may wait
             work = self._take()
             if work is None:
                 for key in list(self._live):
                     self._finish(key, ("error", 503, "the server stopped"))
+                self._flush()
                 return
             tickets, expired, cancelled = work
             for key in cancelled:
@@ -224,6 +289,7 @@ class BatchWorker:
             if not held:
                 hold = self.hold_s(self.batch.active)
                 if hold > 0:
+                    self._flush()
                     with self._cond:
                         if not len(self.scheduler) and not self._stopping:
                             self._cond.wait(hold)  # a newcomer's submit wakes it
@@ -232,9 +298,15 @@ class BatchWorker:
                     continue  # admit whoever came, then step
             held = False
             size = self.batch.active
+            plan = None
+            if isinstance(self.batch, ChunkedPrefill):
+                with self._cond:
+                    urgency = self.urgency(time.perf_counter())
+                plan = plan_prefill(self.batch.pending_prefills(), self.batch.prefill_chunk, len(self.batch.keys()),
+                                    self.scheduler.cost, urgency)  # fmt: skip
             t0 = time.perf_counter()
             try:
-                produced = self.batch.step()
+                produced = self.batch.step(plan) if plan is not None else self.batch.step()
             except Exception as exc:  # noqa: BLE001 - a failing step fails only this batch
                 for key in self.batch.keys():
                     self._started.pop(key, None)
@@ -244,6 +316,11 @@ class BatchWorker:
             prompt_tokens = 0
             if isinstance(self.batch, ChunkedPrefill):
                 size, prompt_tokens = self.batch.last_rows, self.batch.last_prompt_tokens
+                left: dict[int, int] = {}
+                for p in self.batch.pending_prefills():
+                    left[p.priority] = left.get(p.priority, 0) + p.left
+                with self._cond:
+                    self._prefilling = left
             cost = self.scheduler.cost
             if prompt_tokens:  # a mixed step: what the decode rows alone would have cost is not prefill
                 decode_s = cost.step_s(size) if size and cost.known else 0.0

@@ -1,0 +1,176 @@
+"""Priority that keeps a first-token objective: each step's prompt tokens, pauses, shedding, per-level metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from variantbench.serving.scheduler import (
+    MIN_CHUNK,
+    Pending,
+    QueuePolicy,
+    Rejected,
+    Scheduler,
+    StepCost,
+    StepPlan,
+    Ticket,
+    Urgency,
+    lower_chunk,
+    plan_prefill,
+)
+
+
+def _cost(prefill_ms_per_token: float = 2.0, step_ms: float = 60.0) -> StepCost:
+    cost = StepCost()
+    for rows in (1, 2, 4):
+        cost.observe(rows, step_ms / 1e3)
+    cost.observe_prefill(100, prefill_ms_per_token * 100 / 1e3)
+    return cost
+
+
+def test_without_an_urgent_level_prompts_advance_by_level_then_arrival_within_the_chunk() -> None:
+    pending = [Pending("late-low", 1, 300, seq=1), Pending("high", 0, 50, seq=2), Pending("low", 1, 40, seq=0)]
+    plan = plan_prefill(pending, chunk=256, rows=3, cost=_cost(), urgency=None)
+    assert plan == StepPlan([("high", 50), ("low", 40), ("late-low", 166)], decode=True)
+
+
+def test_an_urgent_prompt_gets_the_step_alone_and_the_rows_pause() -> None:
+    pending = [Pending("batch", 1, 1500, seq=0), Pending("chat", 0, 120, seq=1)]
+    urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=120, waiting=False)
+    plan = plan_prefill(pending, chunk=256, rows=6, cost=_cost(), urgency=urgency)
+    assert plan == StepPlan([("chat", 120)], decode=False)
+
+
+def test_while_an_urgent_request_waits_less_urgent_prompts_do_not_start_a_chunk() -> None:
+    urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=120, waiting=True)
+    plan = plan_prefill([Pending("batch", 1, 1500, seq=0)], chunk=256, rows=6, cost=_cost(), urgency=urgency)
+    assert plan == StepPlan([], decode=True)
+
+
+def test_a_live_urgent_level_cuts_less_urgent_chunks_to_what_its_objective_leaves() -> None:
+    cost = _cost(prefill_ms_per_token=2.0, step_ms=60.0)
+    urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=50, waiting=False)
+    # 0.8 x 500 ms - 50 tokens x 2 ms - a 60 ms step = 240 ms of prompt: 120 tokens
+    assert lower_chunk(4, cost, urgency) == 120
+    plan = plan_prefill([Pending("batch", 1, 1500, seq=0)], chunk=256, rows=4, cost=cost, urgency=urgency)
+    assert plan == StepPlan([("batch", 120)], decode=True)
+    # an objective the urgent prompt alone nearly fills: the others still move, by the floor
+    tight = Urgency(priority=0, slo_s=0.2, prompt_tokens=120, waiting=False)
+    assert lower_chunk(4, cost, tight) == MIN_CHUNK
+    # the same level as the urgent one is not cut: only less urgent levels yield
+    same = plan_prefill([Pending("peer", 0, 400, seq=0)], chunk=256, rows=4, cost=cost, urgency=tight)
+    assert same == StepPlan([("peer", 256)], decode=False)
+
+
+def test_shed_late_turns_away_a_request_that_would_miss_its_objective_and_only_then() -> None:
+    policy = QueuePolicy(ttft_slo_ms=500, shed_late=True)
+    sched = Scheduler(policies={0: policy, 1: QueuePolicy(ttft_slo_ms=500)})
+    sched.cost = _cost(prefill_ms_per_token=2.0, step_ms=50.0)
+
+    def ticket(key: str, prio: int, tokens: int) -> Ticket:
+        return Ticket(key=key, priority=prio, arrival_ns=0, prompt_tokens=tokens, max_new=32)
+
+    sched.submit(ticket("fits", 0, 150), 0, running=2)  # 2 x 50 ms + 150 x 2 ms = 400 ms
+    with pytest.raises(Rejected) as err:  # 150 more behind it: 700 ms
+        sched.submit(ticket("late", 0, 150), 0, running=2)
+    assert err.value.status == 503 and err.value.retry_after_s >= 1 and "objective" in str(err.value)
+    # prompt tokens still prefilling in the batch count too; less urgent ones do not
+    sched.pop(0)
+    with pytest.raises(Rejected):
+        sched.submit(ticket("behind a prefill", 0, 100), 0, running=2, prefilling={0: 200})
+    sched.submit(ticket("behind batch work", 0, 100), 0, running=2, prefilling={1: 5000})
+    # a level with an objective but without shed_late queues whatever it expects
+    sched.submit(ticket("patient", 1, 2000), 0, running=2)
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_model_dir: Path):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    from variantbench.backends.engine import LlamaDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return LlamaDecoder(model)
+
+
+def test_rows_paused_for_an_urgent_prefill_decode_as_if_alone(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+
+    prompts = {"a": ([5, 9, 14, 30, 2, 8], 14), "b": (list(range(60, 110)), 10), "u": ([7, 3, 11, 4], 8)}
+    want = {k: decoder.generate([p], n).token_ids[0] for k, (p, n) in prompts.items()}
+    batch = ContinuousBatch(decoder, max_batch=4, max_len=128)
+    got = {}
+    for key in ("a", "b"):
+        first, _ = batch.join(key, *prompts[key])
+        got[key] = [first]
+    for key, token, _ in batch.step() + batch.step():
+        got[key].append(token)
+    batch.begin("u", prompts["u"][0], prompts["u"][1], priority=0)
+    cur = batch.cur
+    out = batch.step(StepPlan([("u", 4)], decode=False))  # the urgent prompt alone: rows pause
+    assert [key for key, _, _ in out] == ["u"] and batch.last_rows == 0 and batch.cur == cur
+    got["u"] = [out[0][1]]
+    while batch.active:
+        for key, token, done in batch.step():
+            got[key].append(token)
+            if done:
+                batch.leave(key)
+    assert got == want
+
+
+async def _first_tokens(worker, requests) -> list[str]:  # noqa: ANN001
+    order: list[str] = []
+
+    async def run(key: str, events) -> None:  # noqa: ANN001
+        while True:
+            event = await events.get()
+            if event[0] == "token" and key not in order:
+                order.append(key)
+            if event[0] in ("done", "error"):
+                return
+
+    tasks = []
+    for key, prompt, max_new, priority in requests:
+        tasks.append(asyncio.ensure_future(run(key, worker.submit(key, prompt, max_new, priority=priority))))
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    return order
+
+
+def test_an_urgent_request_overtakes_a_long_prompt_being_prefilled(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.worker import BatchWorker
+
+    async def main() -> tuple[list[str], list[tuple[int, int]]]:
+        batch = ContinuousBatch(decoder, max_batch=4, max_len=512, prefill_chunk=8)
+        worker = BatchWorker(batch, policies={0: QueuePolicy(ttft_slo_ms=500)}).start()
+        steps: list[tuple[int, int]] = []
+        worker.step_listeners.append(lambda rows, s, prompt: steps.append((rows, prompt)))
+        try:
+            long = [3 + i % 390 for i in range(400)]  # 50 chunks of 8 (the vocabulary holds 400)
+            return await _first_tokens(worker, [("batch", long, 4, 1), ("chat", [5, 6, 7, 8], 4, 0)]), steps
+        finally:
+            worker.drain_and_stop()
+
+    order, steps = asyncio.run(main())
+    assert order == ["chat", "batch"]
+    # the chat prompt was prefilled alone: no chunk of the long prompt rode along with it
+    assert (0, 4) in steps
+
+
+def test_the_same_traffic_without_priorities_waits_behind_the_long_prompt(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.worker import BatchWorker
+
+    async def main() -> list[str]:
+        worker = BatchWorker(ContinuousBatch(decoder, max_batch=4, max_len=512, prefill_chunk=8)).start()
+        try:
+            long = [3 + i % 390 for i in range(400)]
+            return await _first_tokens(worker, [("batch", long, 4, 0), ("chat", [5, 6, 7, 8], 4, 0)])
+        finally:
+            worker.drain_and_stop()
+
+    assert asyncio.run(main()) == ["batch", "chat"]
