@@ -177,7 +177,9 @@ def main() -> None:
     ap.add_argument("--interactive-tokens", type=int, default=32, help="interactive max_tokens")
     ap.add_argument("--batch-tokens", type=int, default=128, help="batch max_tokens")
     ap.add_argument("--slo-ms", type=float, default=500.0, help="interactive TTFT objective (ms)")
-    ap.add_argument("--variant", default="smooth+int8:act=token", help="the variant served (see the module's doc)")
+    ap.add_argument(
+        "--variant", default="smooth+int8:act=token", help="the variant served (see the module's doc)"
+    )
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: all cores)")
     ap.add_argument("--phases", default="alone,priorities,fifo")
     ap.add_argument("--serve-args", default="", help="extra arguments for variantbench serve")

@@ -32,7 +32,11 @@ def _cost(prefill_ms_per_token: float = 2.0, step_ms: float = 60.0) -> StepCost:
 
 
 def test_without_an_urgent_level_prompts_advance_by_level_then_arrival_within_the_chunk() -> None:
-    pending = [Pending("late-low", 1, 300, seq=1), Pending("high", 0, 50, seq=2), Pending("low", 1, 40, seq=0)]
+    pending = [
+        Pending("late-low", 1, 300, seq=1),
+        Pending("high", 0, 50, seq=2),
+        Pending("low", 1, 40, seq=0),
+    ]
     plan = plan_prefill(pending, chunk=256, rows=3, cost=_cost(), urgency=None)
     assert plan == StepPlan([("high", 50), ("low", 40), ("late-low", 166)], decode=True)
 

@@ -419,5 +419,7 @@ def test_metrics_report_first_token_objectives_per_priority_level(backends) -> N
     assert value('variantbench_ttft_slo_attainment{model="fp32",priority="0"}') == 1.0
     assert value('variantbench_ttft_slo_requests_total{model="fp32",outcome="rejected",priority="1"}') == 1
     assert value('variantbench_ttft_by_priority_seconds_count{model="fp32",priority="5"}') == 1
-    assert 'priority="5"' not in "".join(x for x in text.splitlines() if x.startswith("variantbench_ttft_slo"))
+    assert 'priority="5"' not in "".join(
+        x for x in text.splitlines() if x.startswith("variantbench_ttft_slo")
+    )
     assert value('variantbench_busy_seconds_total{model="fp32"}') > 0
