@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--phases", default="alone,priorities,fifo")
     ap.add_argument("--serve-args", default="", help="extra arguments for variantbench serve")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dump", default=None, help="write every request's outcome (JSON lines) here")
     args = ap.parse_args()
 
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -224,10 +225,16 @@ def main() -> None:
                "--max-len", "2304", "--port", str(port), *args.serve_args.split()]  # fmt: skip
         with Running(cmd, port) as srv:
             before, t0 = busy_seconds(srv.url, args.variant), time.perf_counter()
+            start_mono = time.monotonic()
             outcomes = asyncio.run(drive(srv.url, args.variant, streams))
             phase = Phase(name, outcomes, wall_s=time.perf_counter() - t0)
             phase.busy_share = (busy_seconds(srv.url, args.variant) - before) / phase.wall_s
         phases.append(phase)
+        if args.dump:  # send times on the monotonic clock, as the server's VARIANTBENCH_STEP_LOG
+            with open(args.dump, "a", encoding="utf-8") as fh:
+                for o in outcomes:
+                    fh.write(json.dumps({"phase": name, "cls": o.cls, "sent_s": start_mono + o.sent_s, "ttft_s": o.ttft_s,
+                                         "done_s": o.done_s and start_mono + o.done_s, "status": o.status}) + "\n")  # fmt: skip
         t = phase.ttfts("interactive")
         within = sum(1 for x in t if x * 1e3 <= args.slo_ms) / len(t) if t else math.nan
         print(f"  {name}: {phase.wall_s:.0f} s, busy {phase.busy_share:.0%}, batch {phase.tokens_per_s('batch'):.1f} "

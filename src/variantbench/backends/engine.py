@@ -168,6 +168,19 @@ class LinearState:
     z: torch.Tensor
 
 
+class AttentionGroup(Protocol):
+    """Tokens of a ragged forward that attend together: a batch's decode rows, or one prompt's chunk.
+
+    ``attend`` gets the group's rotated queries [T, q_heads, D], keys and values [T, kv_heads, D] of
+    layer ``li``, stores the keys and values where the group keeps them, and returns the attention
+    output [T, q_heads * D]. Where keys live (one contiguous cache, a paged block pool) is the
+    group's business; the forward only runs the projections once over every group's tokens."""
+
+    length: int
+
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class PromptPiece:
     """A chunk of one prompt in a ragged forward: tokens ``start:start+length`` of a sequence whose
@@ -178,6 +191,50 @@ class PromptPiece:
     start: int
     length: int
     mask: torch.Tensor | None = None
+
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.cache[li]
+        end = self.start + self.length
+        k_cache[0, :, self.start : end] = k.transpose(0, 1)
+        v_cache[0, :, self.start : end] = v.transpose(0, 1)
+        nq, nkv = q.shape[1], k.shape[1]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=self.mask,
+            is_causal=self.mask is None and self.length > 1, enable_gqa=nq != nkv,
+        )  # fmt: skip
+        return attn[0].transpose(0, 1).reshape(self.length, -1)
+
+
+@dataclass
+class CachedRows:
+    """Decode rows of one shared cache (``row_cache`` per layer, [rows, kv_heads, positions, D]):
+    each writes its new key/value at ``cur`` and attends under ``row_mask``, or row by row from
+    ``row_starts`` (see ``LlamaDecoder._forward_ragged``)."""
+
+    row_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    cur: int
+    row_mask: torch.Tensor | None
+    row_starts: Sequence[int] | None
+    length: int
+
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.row_cache[li]
+        cur, rows = self.cur, self.length
+        k_cache[:, :, cur] = k
+        v_cache[:, :, cur] = v
+        nkv, d = k.shape[1], k.shape[2]
+        q = q.reshape(rows, nkv, -1, d)  # grouped: each kv head with its query heads
+        if self.row_starts is None:
+            attn = F.scaled_dot_product_attention(
+                q, k_cache[:, :, : cur + 1], v_cache[:, :, : cur + 1], attn_mask=self.row_mask
+            )
+        else:
+            attn = torch.cat([
+                F.scaled_dot_product_attention(q[i : i + 1], k_cache[i : i + 1, :, a : cur + 1],
+                                               v_cache[i : i + 1, :, a : cur + 1])
+                for i, a in enumerate(self.row_starts)
+            ])  # fmt: skip
+        return attn.reshape(rows, -1)
 
 
 @dataclass
@@ -418,6 +475,17 @@ class LlamaDecoder:
         keys and values: decode steps of 10 rows took 150-240 ms where short rows alone took 60-70
         (fp32 SmolLM2-135M, 2 AVX2 cores); the price is one attention call per row and layer.
         """
+        groups: list[Any] = []
+        if rows:
+            groups.append(CachedRows(row_cache, cur, row_mask, row_starts, rows))
+        groups.extend(pieces)
+        return self._forward_groups(x, positions, groups, rope)
+
+    def _forward_groups(self, x: torch.Tensor, positions: torch.Tensor, groups: Sequence[AttentionGroup],
+                        rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """One forward over a ragged set of tokens ``x`` [T, H], the ``groups``' tokens in order:
+        every projection runs once over all T tokens; attention, the only part that mixes tokens,
+        runs per group (``AttentionGroup.attend``)."""
         if self.has_linear_attention:
             raise ValueError("continuous batching does not run linear-attention layers yet")
         cos_t, sin_t = rope
@@ -425,42 +493,19 @@ class LlamaDecoder:
         sin = sin_t[positions][None, None]
         total = x.shape[0]
         d = self.head_dim
-        for li, layer in enumerate(self.layers):
+        for layer_index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h).view(total, -1, d)
             nq, nkv = layer.n_heads, layer.n_kv_heads
-            qk = self._rotate(qkv[:, : nq + nkv].transpose(0, 1)[None], cos, sin)[0]  # [Hq+Hkv, T, D]
+            qk = self._rotate(qkv[:, : nq + nkv].transpose(0, 1)[None], cos, sin)[0].transpose(
+                0, 1
+            )  # [T, Hq+Hkv, D]
             v = qkv[:, nq + nkv :]  # [T, Hkv, D]
-            outs = []
-            if rows:
-                k_cache, v_cache = row_cache[li]
-                k_cache[:, :, cur] = qk[nq:, :rows].transpose(0, 1)
-                v_cache[:, :, cur] = v[:rows]
-                q = qk[:nq, :rows].transpose(0, 1).reshape(rows, nkv, nq // nkv, d)  # grouped, as _forward
-                if row_starts is None:
-                    attn = F.scaled_dot_product_attention(
-                        q, k_cache[:, :, : cur + 1], v_cache[:, :, : cur + 1], attn_mask=row_mask
-                    )
-                else:
-                    attn = torch.cat([
-                        F.scaled_dot_product_attention(q[i : i + 1], k_cache[i : i + 1, :, a : cur + 1],
-                                                       v_cache[i : i + 1, :, a : cur + 1])
-                        for i, a in enumerate(row_starts)
-                    ])  # fmt: skip
-                outs.append(attn.reshape(rows, nq * d))
-            offset = rows
-            for piece in pieces:
-                k_cache, v_cache = piece.cache[li]
-                start, length = piece.start, piece.length
-                end = start + length
-                k_cache[0, :, start:end] = qk[nq:, offset : offset + length]
-                v_cache[0, :, start:end] = v[offset : offset + length].transpose(0, 1)
-                attn = F.scaled_dot_product_attention(
-                    qk[None, :nq, offset : offset + length], k_cache[:, :, :end], v_cache[:, :, :end],
-                    attn_mask=piece.mask, is_causal=piece.mask is None and length > 1, enable_gqa=nq != nkv,
-                )  # fmt: skip
-                outs.append(attn[0].transpose(0, 1).reshape(length, nq * d))
-                offset += length
+            outs, at = [], 0
+            for group in groups:
+                end = at + group.length
+                outs.append(group.attend(layer_index, qk[at:end, :nq], qk[at:end, nq:], v[at:end]))
+                at = end
             x = x + layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + self._mlp(layer, x)
         return x

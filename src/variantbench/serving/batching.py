@@ -3,8 +3,9 @@
 Serving picks the batch for a backend (``info()["backend"]``); backends never import serving.
 A new engine that can be served is one more entry here.
 
-- ``torch`` (our decoder): ``ContinuousBatch``, chunked prefill beside the decode rows and, when
-  ``prefix_cache_mb`` > 0, prefix caching.
+- ``torch`` (our decoder): ``PagedBatch`` (a paged KV cache, the default) or ``ContinuousBatch``
+  (one contiguous cache), chunked prefill beside the decode rows and, when ``prefix_cache_mb`` > 0,
+  prefix caching.
 - ``llama.cpp``: ``LlamaCppBatch``, up to ``max_batch`` sequences per ``llama_decode``. Prompts are
   prefilled at admission in llama.cpp's own ``n_batch`` chunks; ``prefill_chunk`` and
   ``prefix_cache_mb`` do not apply: on this CPU a llama.cpp step costs rows x one row's time, so
@@ -67,17 +68,24 @@ class ChunkedPrefill(Protocol):
         ...
 
 
-def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float) -> Any:
+KV_CACHES = ("paged", "contiguous")
+
+
+def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
+           kv_cache: str = "paged") -> Any:  # fmt: skip
     from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.paged import PagedBatch
 
     if backend.decoder is None:
         raise RuntimeError("a batch for a backend that is not loaded")
     limit = min(max_len, backend.max_positions or max_len)
-    return ContinuousBatch(backend.decoder, max_batch=max_batch, max_len=limit, stop_ids=backend.stop_ids,
-                           prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)  # fmt: skip
+    kind = PagedBatch if kv_cache == "paged" else ContinuousBatch
+    return kind(backend.decoder, max_batch=max_batch, max_len=limit, stop_ids=backend.stop_ids,
+                prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)  # fmt: skip
 
 
-def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float) -> Any:
+def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
+               kv_cache: str = "paged") -> Any:  # fmt: skip
     from variantbench.serving.llama_cpp_batch import LlamaCppBatch
 
     if backend.llm is None:
@@ -90,11 +98,16 @@ BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_c
 
 
 def batch_for(backend: Any, max_batch: int, max_len: int, prefill_chunk: int = 256,
-              prefix_cache_mb: float = 0.0) -> Any:  # fmt: skip
-    """A continuous batch over a loaded backend, or one line saying its engine cannot be served."""
+              prefix_cache_mb: float = 0.0, kv_cache: str = "paged") -> Any:  # fmt: skip
+    """A continuous batch over a loaded backend, or one line saying its engine cannot be served.
+
+    ``kv_cache`` (torch engine): ``paged`` (blocks from a pool, memory as used: ``paged.py``) or
+    ``contiguous`` (one preallocated storage: ``continuous.py``)."""
+    if kv_cache not in KV_CACHES:
+        raise UserError(f"kv cache {kv_cache!r}: one of {', '.join(KV_CACHES)}")
     engine = backend.info().get("backend", "?")
     make = BATCHES.get(engine)
     if make is None:
         raise UserError(f"{backend.name}: its engine ({engine}) cannot be served yet; "
                         f"serve {' or '.join(BATCHES)} variants")  # fmt: skip
-    return make(backend, max_batch, max_len, prefill_chunk, prefix_cache_mb)
+    return make(backend, max_batch, max_len, prefill_chunk, prefix_cache_mb, kv_cache)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+import json
+import os
+import time
 from typing import Any
 
 from variantbench.errors import UserError
@@ -71,6 +74,7 @@ class ServeOptions:
     policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
     # level 0's first-token objective unless its own policy sets one (None: none); the seeds' promise
     ttft_slo_ms: float | None = 500.0
+    kv_cache: str = "paged"  # torch engine: paged | contiguous
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -87,6 +91,8 @@ class ServeOptions:
             raise UserError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
         if self.max_len < 8:
             raise UserError(f"--max-len must be at least 8, got {self.max_len}")
+        if self.kv_cache not in ("paged", "contiguous"):
+            raise UserError(f"--kv-cache must be paged or contiguous, got {self.kv_cache!r}")
         if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
             raise UserError(
                 f"--ttft-slo-ms must be positive (0 on the command line: none), got {self.ttft_slo_ms}"
@@ -107,11 +113,24 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
     from variantbench.serving.batching import batch_for
 
     batch = batch_for(backend, options.max_batch_size, options.max_len, prefill_chunk=options.prefill_chunk,
-                      prefix_cache_mb=options.prefix_cache_mb)  # fmt: skip
+                      prefix_cache_mb=options.prefix_cache_mb, kv_cache=options.kv_cache)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
                          policies=options.level_policies(), name=name)  # fmt: skip
+    trace = os.environ.get("VARIANTBENCH_STEP_LOG")
+    if trace:  # every step as a JSON line (end time on the monotonic clock): where a latency went
+        worker.step_listeners.append(_step_log(trace, name))
     return ServedModel(name, backend, backend.tokenizer, worker, dict(backend.info()))
+
+
+def _step_log(path: str, name: str) -> Callable[[int, float, int], None]:
+    out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the server's life
+
+    def log(rows: int, seconds: float, prompt_tokens: int) -> None:
+        out.write(json.dumps({"model": name, "end_s": round(time.monotonic(), 4), "seconds": round(seconds, 4),
+                              "rows": rows, "prompt_tokens": prompt_tokens}) + "\n")  # fmt: skip
+
+    return log
 
 
 def load_models(model_dir: str, variants: Sequence[str], options: ServeOptions, device: str = "cpu",

@@ -10,8 +10,10 @@ its tokens, compared on a hit, so a hash collision cannot return the wrong prefi
 kept least-recently-used first out, within a byte budget; a hit touches a path from its last block
 back to the first, so the shared roots stay the freshest and are evicted after their descendants.
 
-Storage-agnostic: a block is any tensor slice ``kv[..., start:end, :]`` along ``axis``; the caller
-copies hits into its own cache. Not thread-safe: the batch's executor thread owns it.
+Storage-agnostic: by default a block is a copy of the tensor slice ``kv[..., start:end, :]`` along
+``axis`` and the caller copies hits into its own cache; with a ``Keeper`` a block is whatever the
+keeper keeps (the paged batch keeps a reference to a pool block: a hit shares it, nothing is
+copied). Not thread-safe: the batch's executor thread owns it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+
+class Keeper(Protocol):
+    """How the cache keeps block ``index`` of a prompt's ``kv`` and lets it go."""
+
+    def keep(self, kv: Any, index: int) -> tuple[Any, int]:
+        """(what to keep for the block, its bytes)"""
+        ...
+
+    def drop(self, kept: Any) -> None: ...
+
+
+class _Copies:
+    def __init__(self, block: int, axis: int) -> None:
+        self.block, self.axis = block, axis
+
+    def keep(self, kv: Any, index: int) -> tuple[Any, int]:
+        piece = kv.narrow(self.axis, index * self.block, self.block).clone()  # a view would keep all of kv
+        return piece, piece.numel() * piece.element_size()
+
+    def drop(self, kept: Any) -> None:
+        pass
 
 
 @dataclass
@@ -31,12 +55,15 @@ class _Block:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block: int = 16, axis: int = -2) -> None:
+    def __init__(
+        self, budget_bytes: int, block: int = 16, axis: int = -2, keeper: Keeper | None = None
+    ) -> None:
         if block < 1:
             raise ValueError("block must be at least 1 token")
         self.budget_bytes = max(0, int(budget_bytes))
         self.block = block
         self.axis = axis
+        self.keeper = keeper or _Copies(block, axis)
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self.nbytes = 0
 
@@ -76,8 +103,7 @@ class PrefixCache:
     def insert(self, prompt: Sequence[int], kv: Any, length: int | None = None) -> int:
         """Keep the full blocks of ``prompt``'s first ``length`` positions of ``kv``; returns blocks added.
 
-        ``kv`` holds positions 0.. along ``axis``; each new block is copied (a view would keep the
-        caller's whole tensor alive)."""
+        ``kv`` holds positions 0.. along ``axis`` (or whatever the keeper reads blocks from)."""
         if not self.enabled:
             return 0
         length = len(prompt) if length is None else min(length, len(prompt))
@@ -87,10 +113,9 @@ class PrefixCache:
             old = self._blocks.get(h)
             if old is not None and old.parent == parent and old.tokens == tokens:
                 continue
-            start = i * self.block
-            piece = kv.narrow(self.axis, start, self.block).clone()
-            nbytes = piece.numel() * piece.element_size()
+            piece, nbytes = self.keeper.keep(kv, i)
             if nbytes > self.budget_bytes:
+                self.keeper.drop(piece)
                 break
             if old is not None:  # a collision: the newer block wins
                 self._drop(h)
@@ -107,3 +132,8 @@ class PrefixCache:
     def _drop(self, h: int) -> None:
         b = self._blocks.pop(h)
         self.nbytes -= b.nbytes
+        self.keeper.drop(b.kv)
+
+    def clear(self) -> None:
+        while self._blocks:
+            self._drop(next(iter(self._blocks)))

@@ -1,0 +1,145 @@
+"""The paged KV cache against the contiguous one: decode speed, idle memory, memory under load.
+
+    python benchmarks/paged_kv.py [--variant fp32] [--repeats 8] [--steps 8] [--max-batch 32]
+                                  [--max-len 2304] [--threads N]
+
+In one process, on one loaded variant of the default model, both batches ``variantbench serve`` can
+run (``--kv-cache paged`` and ``contiguous``), each sized for ``--max-batch`` rows of ``--max-len``:
+
+  speed    decode steps with the same rows in both (equal lengths, and one long row among short
+           ones), in alternating bursts of ``--steps`` steps, ``--repeats`` bursts each: tokens/s,
+           paged / contiguous per burst pair (median, min-max);
+  idle     the process's RSS after creating each batch, against the weights' bytes and against the
+           RSS before any batch existed (the interpreter, torch and the weights);
+  load     requests of 64-2,048 tokens joining and leaving at random for ``--load-steps`` steps:
+           the paged pool's committed bytes against live tokens x bytes per token, sampled every
+           step (goal: within 10%), and the RSS it ends at.
+
+Goals (issue 21): RSS at idle at most 1.5x the weights; KV memory under load within 10% of live
+tokens x bytes per token; decode speed within 5% of the contiguous cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import time
+
+import psutil
+import torch
+
+from variantbench.backends.registry import make_backend
+from variantbench.environment import cpu_summary
+from variantbench.models import parse_model, prepare_model
+from variantbench.serving.continuous import ContinuousBatch
+from variantbench.serving.paged import PagedBatch
+from variantbench.variants.spec import VariantSpec
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def timed_steps(batch, steps: int) -> float:  # noqa: ANN001
+    """Seconds per decode step over ``steps`` steps."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="fp32")
+    ap.add_argument("--repeats", type=int, default=8, help="alternating bursts per batch and shape")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per burst")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2304)
+    ap.add_argument("--load-steps", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    print(cpu_summary())
+    base = str(prepare_model(parse_model(None), status=print))
+    backend = make_backend(VariantSpec.parse(args.variant), None, base, threads=threads)
+    weights = backend.load().param_bytes
+    dec = backend.decoder
+    gc.collect()
+    before = rss()
+    rng = random.Random(args.seed)
+    print(f"{args.variant}, {threads} threads; weights {weights / 2**20:.0f} MiB; RSS before any batch "
+          f"{before / 2**20:.0f} MiB")  # fmt: skip
+
+    # idle: each batch alone in the process
+    kinds = {"paged": PagedBatch, "contiguous": ContinuousBatch}
+    idle = {}
+    for name, kind in kinds.items():
+        gc.collect()
+        r0 = rss()
+        batch = kind(dec, max_batch=args.max_batch, max_len=args.max_len, prefix_cache_mb=0)
+        idle[name] = rss()
+        print(f"idle {name}: RSS {idle[name] / 2**20:.0f} MiB (+{(idle[name] - r0) / 2**20:.0f} MiB for the batch), "
+              f"{idle[name] / weights:.2f}x the weights" if weights else "")  # fmt: skip
+        del batch
+        gc.collect()
+
+    # speed: both batches alive, in turns
+    batches = {name: kind(dec, max_batch=args.max_batch, max_len=args.max_len, prefix_cache_mb=0)
+               for name, kind in kinds.items()}  # fmt: skip
+    shapes = {"8 rows x 256": [256] * 8, "8 rows x 1024": [1024] * 8, "16 rows x 512": [512] * 16,
+              "1 x 2000 + 7 x 150": [2000] + [150] * 7, "1 row x 1024": [1024]}  # fmt: skip
+    print("\n| rows | paged tokens/s | contiguous tokens/s | paged / contiguous (min-max) |")
+    print("| --- | --- | --- | --- |")
+    with torch.inference_mode():
+        for label, lengths in shapes.items():
+            prompts = [[rng.randrange(1000, 20000) for _ in range(n)] for n in lengths]
+            for batch in batches.values():  # the same rows in both, decoded in alternating bursts
+                for i, p in enumerate(prompts):
+                    batch.join(("r", i), p, args.steps * args.repeats + 8)
+                for _ in range(2):
+                    batch.step()
+            rates: dict[str, list[float]] = {name: [] for name in batches}
+            for _ in range(args.repeats):
+                for name, batch in batches.items():
+                    rates[name].append(len(lengths) / timed_steps(batch, args.steps))
+            for batch in batches.values():
+                for i in range(len(prompts)):
+                    batch.leave(("r", i))
+            ratios = [p / c for p, c in zip(rates["paged"], rates["contiguous"], strict=True)]
+            print(f"| {label} | {statistics.median(rates['paged']):.1f} | {statistics.median(rates['contiguous']):.1f} | "
+                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |", flush=True)  # fmt: skip
+    del batches, batch
+    gc.collect()
+
+    # load: requests of mixed lengths joining and leaving; committed memory against live tokens
+    r0 = rss()
+    paged = PagedBatch(dec, max_batch=args.max_batch, max_len=args.max_len, prefix_cache_mb=0)
+    per_token = paged.pool.bytes_per_block // paged.block
+    ratios, live_max = [], 0
+    serial = 0
+    with torch.inference_mode():
+        for _ in range(args.load_steps):
+            while paged.active < 12:
+                n = rng.randrange(64, 2048)
+                serial += 1
+                paged.begin(serial, [rng.randrange(1000, 20000) for _ in range(n)], rng.randrange(8, 128))
+            for key, _, done in paged.step():
+                if done:
+                    paged.leave(key)
+            live = paged.live_tokens
+            live_max = max(live_max, live)
+            if live:
+                ratios.append(paged.pool.committed_bytes / (live * per_token))
+    print(f"\nunder load ({args.load_steps} steps, 12 requests of 64-2,048 prompt tokens at a time, up to "
+          f"{live_max} live tokens): committed KV / (live tokens x {per_token} bytes) median "
+          f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} (goal: within 1.10); RSS {rss() / 2**20:.0f} MiB, {(rss() - r0) / 2**20:+.0f} MiB over the batch's start, "
+          f"{paged.pool.committed_bytes / 2**20:.0f} MiB committed in the pool")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
