@@ -178,3 +178,16 @@ def test_the_same_traffic_without_priorities_waits_behind_the_long_prompt(decode
             worker.drain_and_stop()
 
     assert asyncio.run(main()) == ["batch", "chat"]
+
+
+def test_the_prefill_fit_separates_a_steps_fixed_cost_from_each_tokens() -> None:
+    cost = _cost(prefill_ms_per_token=4.0, step_ms=60.0)  # a per-token mean that includes the fixed cost
+    for tokens, ms in ((20, 94), (60, 162), (120, 270), (20, 94)):  # 60 ms + 1.7 ms per token, alone
+        cost.observe_prefill_alone(tokens, ms / 1e3)
+    assert cost.prefill_c1 == pytest.approx(1.7e-3, rel=0.05) and cost.prefill_c0 == pytest.approx(
+        0.06, rel=0.1
+    )
+    assert cost.prefill_alone_s(100) == pytest.approx(0.23, rel=0.05)
+    # a chunk riding a decode step pays the per-token cost only: 0.8 x 500 - 230 - 60 = 110 ms, 64 tokens
+    urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=100, waiting=False)
+    assert lower_chunk(4, cost, urgency) == pytest.approx(64, abs=6)

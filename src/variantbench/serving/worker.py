@@ -325,6 +325,8 @@ class BatchWorker:
             if prompt_tokens:  # a mixed step: what the decode rows alone would have cost is not prefill
                 decode_s = cost.step_s(size) if size and cost.known else 0.0
                 cost.observe_prefill(prompt_tokens, max(seconds - decode_s, 0.0))
+                if not size:
+                    cost.observe_prefill_alone(prompt_tokens, seconds)
             elif size:
                 cost.observe(size, seconds)
             if size:
