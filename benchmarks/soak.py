@@ -19,13 +19,12 @@ import argparse
 import asyncio
 import math
 import os
-import random
 import statistics
 import sys
 import threading
 import time
 
-from priority import busy_seconds, drive, percentile, schedule  # this folder's: the same client
+from priority import busy_seconds, drive, mixed_streams, percentile  # this folder's: the same client
 import psutil
 
 from variantbench.environment import cpu_summary
@@ -33,7 +32,6 @@ from variantbench.loadgen.noop_server import free_port
 from variantbench.loadgen.server_process import Running
 from variantbench.metrics.windows import Window, stable
 from variantbench.models import parse_model, prepare_model
-from variantbench.workloads import build_synthetic, parse_lengths
 from variantbench.workloads.counting import tokenizer_counter
 
 
@@ -70,14 +68,7 @@ def main() -> None:
     base = str(prepare_model(parse_model(None), status=print))
     counter = tokenizer_counter(base)
     duration = args.minutes * 60
-    rng = random.Random(args.seed)
-    i_times = schedule(args.interactive_rate, duration, rng)
-    b_times = schedule(args.batch_rate, duration, rng)
-    # prompts never repeat within a stream: the prefix cache reuses only what real traffic shares
-    interactive = build_synthetic(max(1, len(i_times)), args.seed, mix={"qa": 0.5, "generation": 0.3, "classification": 0.2},
-                                  lengths=parse_lengths(args.interactive_lengths), counter=counter).samples  # fmt: skip
-    batch = build_synthetic(max(1, len(b_times)), args.seed + 1, mix={"summarization": 1.0},
-                            lengths=parse_lengths(args.batch_lengths), counter=counter).samples  # fmt: skip
+    i_times, b_times, interactive, batch = mixed_streams(args, duration, counter)
     print(cpu_summary())
     print(f"{args.variant}, {threads} threads, {args.minutes:g} minutes: interactive {len(i_times)} requests "
           f"({args.interactive_rate:g}/s), batch {len(b_times)} ({args.batch_rate:g}/s)", flush=True)  # fmt: skip

@@ -62,6 +62,23 @@ def check_join(batch: Any, prompt_len: int, max_new: int) -> None:
         )
 
 
+def batch_basics(batch: Any, decoder: Any, max_batch: int, max_len: int, stop_ids: tuple[int, ...],
+                 prefill_chunk: int) -> int:  # fmt: skip
+    """What every torch batch sets up first (refusing linear attention); returns the most kv heads
+    of a layer (the cache's head axis)."""
+    if decoder.has_linear_attention:
+        raise UserError(
+            "linear-attention variants are not served yet (the continuous batch keeps KV caches); "
+            "measure them with variantbench run"
+        )
+    batch.decoder = decoder
+    batch.max_batch = max_batch
+    batch.max_len = max_len
+    batch.stop_ids = frozenset(stop_ids)
+    batch.prefill_chunk = max(1, int(prefill_chunk))
+    return max((layer.n_kv_heads for layer in decoder.layers), default=1)
+
+
 @dataclass
 class Slot:
     key: Any  # the caller's handle for the request
@@ -98,18 +115,8 @@ class ContinuousBatch:
         prefix_cache_mb: float = 0.0,
         prefix_block: int = 16,
     ) -> None:
-        if decoder.has_linear_attention:
-            raise UserError(
-                "linear-attention variants are not served yet (the continuous batch keeps KV caches); "
-                "measure them with variantbench run"
-            )
-        self.decoder = decoder
-        self.max_batch = max_batch
-        self.max_len = max_len
-        self.stop_ids = frozenset(stop_ids)
-        self.prefill_chunk = max(1, int(prefill_chunk))
+        max_kv = batch_basics(self, decoder, max_batch, max_len, stop_ids, prefill_chunk)
         layers = decoder.layers
-        max_kv = max(layer.n_kv_heads for layer in layers) if layers else 1
         dev, dtype = decoder.device, decoder.dtype
         self.storage = torch.zeros(
             len(layers), 2, max_batch, max_kv, max_len, decoder.head_dim, dtype=dtype, device=dev

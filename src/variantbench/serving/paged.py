@@ -28,8 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from variantbench.errors import UserError
-from variantbench.serving.continuous import NoRoom, check_join
+from variantbench.serving.continuous import NoRoom, batch_basics, check_join
 from variantbench.serving.kv_pool import BlockPool, PoolFull, block_size, runs
 from variantbench.serving.prefix_cache import PrefixCache
 from variantbench.serving.scheduler import Pending, StepPlan
@@ -153,18 +152,8 @@ class PagedBatch:
         prefix_cache_mb: float = 0.0,
         pool_tokens: int | None = None,
     ) -> None:
-        if decoder.has_linear_attention:
-            raise UserError(
-                "linear-attention variants are not served yet (the continuous batch keeps KV caches); "
-                "measure them with variantbench run"
-            )
-        self.decoder = decoder
-        self.max_batch = max_batch
-        self.max_len = max_len
-        self.stop_ids = frozenset(stop_ids)
-        self.prefill_chunk = max(1, int(prefill_chunk))
+        max_kv = batch_basics(self, decoder, max_batch, max_len, stop_ids, prefill_chunk)
         layers = decoder.layers
-        max_kv = max(layer.n_kv_heads for layer in layers) if layers else 1
         # reserved for the worst case (every row at the longest context): untouched pages cost nothing
         tokens = pool_tokens or max_batch * max_len
         block = block_size(decoder.head_dim, torch.empty((), dtype=decoder.dtype).element_size())
