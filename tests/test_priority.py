@@ -191,3 +191,24 @@ def test_the_prefill_fit_separates_a_steps_fixed_cost_from_each_tokens() -> None
     # a chunk riding a decode step pays the per-token cost only: 0.8 x 500 - 230 - 60 = 110 ms, 64 tokens
     urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=100, waiting=False)
     assert lower_chunk(4, cost, urgency) == pytest.approx(64, abs=6)
+
+
+def test_requests_of_one_level_share_steps_rows_do_not_pause_for_their_peers(decoder) -> None:  # noqa: ANN001
+    from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.worker import BatchWorker
+
+    async def main() -> list[tuple[int, int]]:
+        worker = BatchWorker(ContinuousBatch(decoder, max_batch=4, max_len=512, prefill_chunk=8),
+                             policies={0: QueuePolicy(ttft_slo_ms=500)}).start()  # fmt: skip
+        steps: list[tuple[int, int]] = []
+        worker.step_listeners.append(lambda rows, s, prompt: steps.append((rows, prompt)))
+        try:
+            first = worker.submit("first", [5, 6, 7], 60)
+            await first.get()  # decoding
+            await _first_tokens(worker, [("peer", [3 + i % 390 for i in range(64)], 4, 0)])
+            return steps
+        finally:
+            worker.drain_and_stop()
+
+    steps = asyncio.run(main())
+    assert any(rows and prompt for rows, prompt in steps)  # the peer's chunks rode along the decode row

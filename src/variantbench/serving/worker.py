@@ -66,6 +66,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cancelled: bool = False
+    priority: int = 0
 
 
 class BatchWorker:
@@ -115,7 +116,7 @@ class BatchWorker:
         now = time.perf_counter_ns()
         ticket = Ticket(key=key, priority=priority, arrival_ns=now, prompt_tokens=len(prompt), max_new=max_new,
                         deadline_ns=now + int(deadline_s * 1e9) if deadline_s else None, payload=prompt)  # fmt: skip
-        live = _Live(asyncio.get_running_loop(), asyncio.Queue())
+        live = _Live(asyncio.get_running_loop(), asyncio.Queue(), priority=priority)
         with self._cond:
             self._levels.setdefault(priority, _Level()).arrived(now / 1e9, len(prompt))
             # may raise Rejected
@@ -207,9 +208,17 @@ class BatchWorker:
             return tickets, expired, cancelled
 
     def urgency(self, now_s: float) -> Urgency | None:
-        """The most urgent level with a TTFT objective whose traffic is live, if any (under the lock)."""
+        """The most urgent level with a TTFT objective whose traffic is live, if any (under the lock),
+        and only while a less urgent request is queued or in the batch: requests of one level share
+        the steps as chunked prefill does (pausing decode rows for every prompt of the same level
+        would only trade their inter-token gaps for each other's first tokens)."""
+        held = [live.priority for live in self._live.values()]
+        if not held:
+            return None
         pending = {p.priority for p in self.batch.pending_prefills() if p.left}
         for level in sorted(self._levels):
+            if level >= max(held):
+                return None
             slo = self.scheduler.policy(level).ttft_slo_ms
             info = self._levels[level]
             waiting = self.scheduler.depth(level) > 0
