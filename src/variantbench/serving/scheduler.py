@@ -206,8 +206,13 @@ class Scheduler:
         ):
             expected = self.expected_ttft_s(ticket, running, prefilling or {})
             if expected * 1e3 > pol.ttft_slo_ms:
-                raise Rejected(503, f"cannot meet its first-token objective: expected {expected * 1e3:.0f} ms, "
-                               f"objective {pol.ttft_slo_ms:g} ms", self.retry_after_s(running))  # fmt: skip
+                why = (
+                    "no free row in the batch"
+                    if expected == float("inf")
+                    else f"expected {expected * 1e3:.0f} ms"
+                )
+                raise Rejected(503, f"cannot meet its first-token objective: {why}, objective {pol.ttft_slo_ms:g} ms",
+                               self.retry_after_s(running))  # fmt: skip
         if ticket.deadline_ns is not None and self.cost.known:
             ahead = sum(1 for t in self._waiting if t.priority <= ticket.priority)
             batch = min(self.max_batch, running + ahead + 1)
@@ -223,14 +228,20 @@ class Scheduler:
         self._counts[ticket.priority] = self._counts.get(ticket.priority, 0) + 1
 
     def expected_ttft_s(self, ticket: Ticket, running: int, prefilling: dict[int, int]) -> float:
-        """The running step, then every prompt token ahead of it at its level or a more urgent one
-        (queued or prefilling) and its own, at the learned prefill rate, then one step of the rows."""
-        ahead = sum(t.prompt_tokens for t in self._waiting if t.priority <= ticket.priority)
-        ahead += sum(n for level, n in prefilling.items() if level <= ticket.priority)
+        """The running step, then every prompt ahead of it at its level or a more urgent one (each
+        queued one as a step of its own, the tokens still prefilling in the batch at the per-token
+        cost) and its own prompt alone, then one step of the rows. No slot for it in the batch
+        (every row taken by requests that decode for many steps yet): it cannot start in time."""
+        ahead = [t for t in self._waiting if t.priority <= ticket.priority]
+        if running + len(ahead) >= self.max_batch:
+            return float("inf")
         step = self.cost.step_s(max(1, running))
-        return (
-            2 * step + ahead * self.cost.prefill_marginal_s + self.cost.prefill_alone_s(ticket.prompt_tokens)
+        queued = sum(self.cost.prefill_alone_s(t.prompt_tokens) for t in ahead)
+        inside = (
+            sum(n for level, n in prefilling.items() if level <= ticket.priority)
+            * self.cost.prefill_marginal_s
         )
+        return 2 * step + queued + inside + self.cost.prefill_alone_s(ticket.prompt_tokens)
 
     def requeue(self, ticket: Ticket) -> None:
         """Put back a request that was taken but could not start (no KV-cache room): no admission checks."""

@@ -204,7 +204,12 @@ class BatchWorker:
                     and self.scheduler.policy(ticket.priority).ttft_slo_ms is None
                 ):
                     break
-                tickets.append(self.scheduler.pop(now))
+                taken = self.scheduler.pop(now)
+                tickets.append(taken)
+                # prefilling from now on: admission counts its prompt before the next step says so
+                self._prefilling[taken.priority] = (
+                    self._prefilling.get(taken.priority, 0) + taken.prompt_tokens
+                )
             return tickets, expired, cancelled
 
     def urgency(self, now_s: float) -> Urgency | None:
