@@ -154,7 +154,7 @@ def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_len
             steps[rows] = statistics.median(_timed(batch.step) for _ in range(12))
             step = steps[rows]
             say(f"s({rows:2d}) decode step: {step * 1e3:6.1f} ms = {step / rows * 1e3:5.1f} ms per token "
-                f"(cache index {batch.cur})")  # fmt: skip
+                f"({batch.live_tokens / rows:.0f} cached positions per row)")  # fmt: skip
             for i in range(rows):
                 batch.leave(("s", i))
     finally:
