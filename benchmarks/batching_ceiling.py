@@ -146,6 +146,7 @@ def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_len
         # s(r): decode steps with r rows, the write index where a served request's sits
         steps: dict[int, float] = {}
         fresh = prompts[warm + requests :]
+        batch.stop_ids = frozenset()  # every row decodes through the timing (a finished row would not)
         for rows in ROWS:
             for i in range(rows):
                 batch.join(("s", i), fresh[i], 400)
