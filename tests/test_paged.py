@@ -89,11 +89,14 @@ def test_requests_joining_and_leaving_decode_as_if_alone(decoder) -> None:  # no
     assert batch.pool.free_blocks == batch.pool.blocks and batch.pool.committed_bytes == 0
 
 
-def test_chunked_prefill_paused_rows_and_a_shared_prefix_decode_as_if_alone(decoder) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("share", [True, False])
+def test_chunked_prefill_paused_rows_and_a_shared_prefix_decode_as_if_alone(decoder, share: bool) -> None:  # noqa: ANN001
     from variantbench.serving.paged import PagedBatch
     from variantbench.serving.scheduler import StepPlan
 
-    batch = PagedBatch(decoder, max_batch=4, max_len=256, prefill_chunk=10, prefix_cache_mb=1)
+    batch = PagedBatch(
+        decoder, max_batch=4, max_len=256, prefill_chunk=10, prefix_cache_mb=1, share_prefixes=share
+    )
     shared = [100 + i % 250 for i in range(2 * batch.block)]  # two blocks that two prompts share
     prompts = {"a": (shared + [5, 6, 7], 10), "b": (shared + [9, 8], 8), "c": (list(range(200, 237)), 7)}
     want = {k: decoder.generate([p], n).token_ids[0] for k, (p, n) in prompts.items()}
@@ -105,7 +108,13 @@ def test_chunked_prefill_paused_rows_and_a_shared_prefix_decode_as_if_alone(deco
     batch.begin("b", *prompts["b"])
     assert batch.prompt_tokens["cached"] == 2 * batch.block  # b borrows a's two prompt blocks
     b_row = batch.rows[-1]
-    assert b_row.blocks[:2] == batch.rows[0].blocks[:2] and batch.pool.refs[b_row.blocks[0]] == 3
+    if share:  # borrowed: the same blocks, held by a, b and the cache
+        assert b_row.blocks[:2] == batch.rows[0].blocks[:2] and batch.pool.refs[b_row.blocks[0]] == 3
+    else:  # copied into b's own run
+        assert (
+            not set(b_row.blocks) & set(batch.rows[0].blocks)
+            and batch.pool.refs[batch.rows[0].blocks[0]] == 2
+        )
     batch.begin("c", *prompts["c"], priority=0)
     rows_before = [len(t) for t in got.values()]
     out = batch.step(StepPlan([("c", 37)], decode=False))  # c alone; a pauses
