@@ -66,6 +66,17 @@ class Ticket:
     requeued_ns: int | None = None  # a delayed request's new place in line
 
 
+def _line(points: list[tuple[float, float]]) -> tuple[float | None, float, float]:
+    """Least squares through (x, y) points: (slope, or None when every x is the same; mean x; mean y)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    if var <= 0:
+        return None, mx, my
+    return sum((x - mx) * (y - my) for x, y in points) / var, mx, my
+
+
 @dataclass
 class StepCost:
     """time(n) = a x n + b for a decode step at batch n, least squares over each batch size's recent
@@ -84,13 +95,9 @@ class StepCost:
         self.samples.append((batch, seconds))
         old = self.by_size.get(batch)
         self.by_size[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        points = list(self.by_size.items())
-        n = len(points)
-        mx = sum(x for x, _ in points) / n
-        my = sum(y for _, y in points) / n
-        var = sum((x - mx) ** 2 for x, _ in points)
-        if var > 0:
-            self.a = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var)
+        slope, mx, my = _line(list(self.by_size.items()))
+        if slope is not None:
+            self.a = max(0.0, slope)
             self.b = max(0.0, my - self.a * mx)
         else:  # every step at one batch size: its mean time
             self.a, self.b = 0.0, my
@@ -124,16 +131,9 @@ class StepCost:
             (tokens, seconds) if old is None else (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
         )
         self.prefill_by_size[bucket] = point
-        points = list(self.prefill_by_size.values())
-        if len(points) < 2:
-            return
-        mx = sum(x for x, _ in points) / len(points)
-        my = sum(y for _, y in points) / len(points)
-        var = sum((x - mx) ** 2 for x, _ in points)
-        if var > 0:
-            c1 = sum((x - mx) * (y - my) for x, y in points) / var
-            if c1 > 0:
-                self.prefill_c1, self.prefill_c0 = c1, max(0.0, my - c1 * mx)
+        c1, mx, my = _line(list(self.prefill_by_size.values()))
+        if c1 is not None and c1 > 0:
+            self.prefill_c1, self.prefill_c0 = c1, max(0.0, my - c1 * mx)
 
     def prefill_alone_s(self, tokens: int) -> float:
         """A prompt's prefill in a step of its own."""
