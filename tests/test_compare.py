@@ -64,7 +64,8 @@ def test_compare_prints_and_writes_ratios_with_intervals(runs: dict[str, Path], 
     data = json.loads(out.read_text())
     latency = next(c for c in data["changes"] if c["metric"] == "latency")
     assert latency["pairs"] == 12 and latency["verdict"] == "worse"
-    assert 1.5 < latency["ratio"] < 2.6 and latency["ci_low"] <= latency["ratio"] <= latency["ci_high"]
+    # a planted 2x; the two runs are not interleaved, and this host wanders 10-40% between runs
+    assert 1.25 < latency["ratio"] < 3.0 and latency["ci_low"] <= latency["ratio"] <= latency["ci_high"]
     p99 = next(c for c in data["changes"] if c["metric"] == "p99")
     assert p99["ci_low"] is None  # 12 pairs: too few for an honest P99 interval
 

@@ -32,7 +32,7 @@ def test_a_run_replays_from_its_plan_yaml_with_the_same_samples_and_schedule(
         "run", str(PLANS / "default.yaml"), "--set", "load.tasks=4", "--set", f"model.source={tiny_model_dir}",
         "--variants", "fp32", "--scenario", "server", "--rate", "25", "--min-queries", "12",
         "--max-new-tokens", "3", "--input-lengths", "uniform:64-200", "--seed", "5", "--schedule-seed", "9",
-        "--no-fidelity", "--no-diagnose", "--no-cold-start", "--out", str(out),
+        "--no-fidelity", "--no-diagnose", "--no-cold-start", "--no-isolate", "--out", str(out),
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
     plan = yaml.safe_load((out / "plan.yaml").read_text())
@@ -123,8 +123,8 @@ def test_jobs_pickle_whole_for_another_process_or_machine(tiny_model_dir: Path) 
 def test_a_find_peak_run_is_rebuilt_from_its_raw_data_and_log(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "peak"
     proc = _cli(
-        "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "4",
-        "--find-peak", "--latency-target-ms", "60", "--latency-percentile", "50", "--tasks", "6", "--min-queries", "20",
+        "run", "--model", str(tiny_model_dir), "--variants", "fp32", "--scenario", "server", "--rate", "64",
+        "--find-peak", "--latency-target-ms", "60", "--latency-percentile", "50", "--tasks", "6", "--min-queries", "12",
         "--max-new-tokens", "2", "--input-lengths", "fixed:64", "--no-fidelity", "--no-diagnose",
         "--no-cold-start", "--no-isolate", "--out", str(out),
     )  # fmt: skip
@@ -134,7 +134,7 @@ def test_a_find_peak_run_is_rebuilt_from_its_raw_data_and_log(tmp_path: Path, ti
     trials = run["peak"]["trials"]
     assert len(trials) >= 2 and all(t["run_id"].endswith(f"@{t['rate_qps']:.4g}qps") for t in trials)
     # the summary is of one trial's queries (the best passing one, else the last), not of all of them
-    assert run["queries"]["issued"] == 20
+    assert run["queries"]["issued"] == 12
     (out / "report.json").unlink()
     (out / "report.md").unlink()
     (out / "report.json").write_text(json.dumps(report))  # the header the rebuild starts from

@@ -22,7 +22,7 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "variantbench", "run", "--variants", "fp32,int8", "--tasks", "3",
          "--warmup", "1", "--max-new-tokens", "12", "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2",
-         "--looks", "2", "--no-cold-start", "--out", str(out)],
+         "--looks", "2", "--no-cold-start", "--no-isolate", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
