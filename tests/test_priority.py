@@ -48,6 +48,22 @@ def test_an_urgent_prompt_gets_the_step_alone_and_the_rows_pause() -> None:
     assert plan == StepPlan([("chat", 120)], decode=False)
 
 
+def test_urgent_prompts_go_one_per_step_in_order_so_a_later_one_never_delays_an_earlier_one() -> None:
+    pending = [Pending("second", 0, 60, seq=2), Pending("first", 0, 90, seq=1), Pending("batch", 1, 900, seq=0)]
+    urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=120, waiting=False)
+    plan = plan_prefill(pending, chunk=256, rows=5, cost=_cost(), urgency=urgency)
+    assert plan == StepPlan([("first", 90)], decode=False)
+    # and admission counts them so: each its own step, the fixed cost paid again
+    sched = Scheduler(policies={0: QueuePolicy(ttft_slo_ms=500, shed_late=True)})
+    sched.cost = StepCost()
+    for rows, tokens, ms in ((1, 0, 60), (4, 0, 72), (0, 100, 260), (0, 20, 100)):  # 60 ms + 2 ms per token
+        sched.cost.observe_step(rows, tokens, ms / 1e3)
+    assert sched.cost.b == pytest.approx(0.06, rel=0.05) and sched.cost.c == pytest.approx(0.002, rel=0.05)
+    ticket = Ticket(key="new", priority=0, arrival_ns=0, prompt_tokens=60, max_new=8)
+    expected = sched.expected_ttft_s(ticket, running=3, prefilling={0: [90, 60]}, step_left_s=0.1)
+    assert expected == pytest.approx(0.1 + 3 * 0.06 + 0.002 * (90 + 60 + 60), rel=0.05)
+
+
 def test_while_an_urgent_request_waits_less_urgent_prompts_do_not_start_a_chunk() -> None:
     urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=120, waiting=True)
     plan = plan_prefill([Pending("batch", 1, 1500, seq=0)], chunk=256, rows=6, cost=_cost(), urgency=urgency)
@@ -77,15 +93,20 @@ def test_shed_late_turns_away_a_request_that_would_miss_its_objective_and_only_t
     def ticket(key: str, prio: int, tokens: int) -> Ticket:
         return Ticket(key=key, priority=prio, arrival_ns=0, prompt_tokens=tokens, max_new=32)
 
-    sched.submit(ticket("fits", 0, 150), 0, running=2)  # 2 x 50 ms + 150 x 2 ms = 400 ms
-    with pytest.raises(Rejected) as err:  # 150 more behind it: 700 ms
+    sched.submit(ticket("fits", 0, 150), 0, running=2)  # a 50 ms step + 150 x 2 ms = 350 ms
+    with pytest.raises(Rejected) as err:  # 150 more before it: 650 ms
         sched.submit(ticket("late", 0, 150), 0, running=2)
     assert err.value.status == 503 and err.value.retry_after_s >= 1 and "objective" in str(err.value)
     # prompt tokens still prefilling in the batch count too; less urgent ones do not
     sched.pop(0)
     with pytest.raises(Rejected):
-        sched.submit(ticket("behind a prefill", 0, 100), 0, running=2, prefilling={0: 200})
-    sched.submit(ticket("behind batch work", 0, 100), 0, running=2, prefilling={1: 5000})
+        sched.submit(ticket("behind a prefill", 0, 100), 0, running=2, prefilling={0: [200]})
+    sched.submit(ticket("behind batch work", 0, 100), 0, running=2, prefilling={1: [5000]})
+    # the running step's remainder, as the worker knows it: a long one turns away what an idle model takes
+    sched.pop(0)
+    with pytest.raises(Rejected):  # 350 ms of a step left + 100 x 2 ms
+        sched.submit(ticket("during a long step", 0, 100), 0, running=2, step_left_s=0.35)
+    sched.submit(ticket("between steps", 0, 100), 0, running=2, step_left_s=0.0)
     # a level with an objective but without shed_late queues whatever it expects
     sched.submit(ticket("patient", 1, 2000), 0, running=2)
 

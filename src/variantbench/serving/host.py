@@ -11,6 +11,7 @@ from typing import Any
 
 from variantbench.errors import UserError
 from variantbench.serving.app import ServedModel
+from variantbench.serving.batching import ChunkedPrefill
 from variantbench.serving.scheduler import QueuePolicy
 from variantbench.serving.worker import BatchWorker
 
@@ -119,16 +120,22 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
                          policies=options.level_policies(), name=name)  # fmt: skip
     trace = os.environ.get("VARIANTBENCH_STEP_LOG")
     if trace:  # every step as a JSON line (end time on the monotonic clock): where a latency went
-        worker.step_listeners.append(_step_log(trace, name))
+        worker.step_listeners.append(_step_log(trace, name, worker))
     return ServedModel(name, backend, backend.tokenizer, worker, dict(backend.info()))
 
 
-def _step_log(path: str, name: str) -> Callable[[int, float, int], None]:
+def _step_log(path: str, name: str, worker: BatchWorker) -> Callable[[int, float, int], None]:
+    """Each step: its decode rows and prompt tokens, then what the batch holds (``active``: rows and
+    prompts being prefilled) and what waits in the queue, by priority level."""
     out = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the server's life
 
     def log(rows: int, seconds: float, prompt_tokens: int) -> None:
+        prefilling: dict[int, int] = {}
+        for p in worker.batch.pending_prefills() if isinstance(worker.batch, ChunkedPrefill) else []:
+            prefilling[p.priority] = prefilling.get(p.priority, 0) + 1
         out.write(json.dumps({"model": name, "end_s": round(time.monotonic(), 4), "seconds": round(seconds, 4),
-                              "rows": rows, "prompt_tokens": prompt_tokens}) + "\n")  # fmt: skip
+                              "rows": rows, "prompt_tokens": prompt_tokens, "active": worker.batch.active,
+                              "prefilling": prefilling, "queued": worker.scheduler.queued_by_level()}) + "\n")  # fmt: skip
 
     return log
 

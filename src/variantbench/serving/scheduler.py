@@ -32,6 +32,12 @@ import itertools
 from typing import Any
 
 
+# admission sheds what it expects past this share of the objective: the cost model predicts the next
+# step within -21%..+25% (p10..p90, int8 SmolLM2-135M at 10x overload), and the client's own HTTP
+# and tokenization add to its time to first token; at 1.0, 11 of 101 admitted requests took 508-634 ms
+SHED_MARGIN = 0.85
+
+
 class Rejected(Exception):  # noqa: N818 - an answer, not a failure
     """The request is not admitted: ``status`` 429 (overload) or 503 (cannot meet its deadline)."""
 
@@ -66,41 +72,68 @@ class Ticket:
     requeued_ns: int | None = None  # a delayed request's new place in line
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float | None, float, float]:
-    """Least squares through (x, y) points: (slope, or None when every x is the same; mean x; mean y)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    var = sum((x - mx) ** 2 for x, _ in points)
-    if var <= 0:
-        return None, mx, my
-    return sum((x - mx) * (y - my) for x, y in points) / var, mx, my
-
-
 @dataclass
 class StepCost:
-    """time(n) = a x n + b for a decode step at batch n, least squares over each batch size's recent
-    mean step time (so sizes seen long ago still count once a cap keeps the batch small)."""
+    """One model of a step's time for every kind of step: time = b + a x decode rows + c x prompt tokens,
+    non-negative least squares (scipy's nnls) over the recent mean time of each step shape (decode rows,
+    16-token bucket of prompt tokens), so shapes seen long ago still count once a cap keeps the batch small.
+
+    Why one model and not a decode fit and a prefill fit: the fixed cost ``b`` (every weight read
+    once) is the same whether a step decodes rows or prefills a prompt alone, so each kind of step
+    teaches the other. Fitted apart, a server under overload that decoded only at one batch size (25
+    rows, 0.29 s) predicted 0.29 s for a step of one row (0.12 s measured) and turned away every
+    interactive request for half a minute; int8 SmolLM2-135M on 2 AVX2 cores fits b 75-90 ms for both
+    kinds. ``prefill_s_per_token`` is the plain per-token mean, for engines that prefill at join.
+    """
 
     prefill_s_per_token: float = 0.0
-    prefill_by_size: dict[int, tuple[float, float]] = field(default_factory=dict)  # 16-token bucket -> (n, s)
-    prefill_c0: float = 0.0  # prefill alone = c0 + c1 x tokens (0, 0: not fitted yet)
-    prefill_c1: float = 0.0
-    samples: deque = field(default_factory=lambda: deque(maxlen=200))
-    by_size: dict[int, float] = field(default_factory=dict)  # batch size -> moving mean step seconds
-    a: float = 0.0
-    b: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=200))  # (rows, prompt tokens, seconds)
+    shapes: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    a: float = 0.0  # per decode row
+    b: float = 0.0  # per step
+    c: float = 0.0  # per prompt token in a step (0: no step with a prompt seen yet)
+
+    def observe_step(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step that decoded ``rows`` rows and prefilled ``tokens`` prompt tokens in ``seconds``."""
+        if rows <= 0 and tokens <= 0:
+            return
+        self.samples.append((rows, tokens, seconds))
+        key = (rows, tokens // 16)
+        old = self.shapes.get(key)
+        self.shapes[key] = (
+            (rows, tokens, seconds)
+            if old is None
+            else (rows, 0.8 * old[1] + 0.2 * tokens, 0.8 * old[2] + 0.2 * seconds)
+        )
+        self._fit()
+
+    def _fit(self) -> None:
+        import numpy as np
+        from scipy.optimize import nnls
+
+        points = np.array(list(self.shapes.values()), dtype=float)
+        design = np.column_stack([np.ones(len(points)), points[:, 0], points[:, 1]])
+        names = ["b", "a", "c"]
+        if not points[:, 1].any():  # no prompt tokens seen: no per-token term
+            design, names = design[:, :2], names[:2]
+        # not identifiable from what was seen (one batch size and no prompt alone): decode is flat
+        while len(names) > 1 and np.linalg.matrix_rank(design) < len(names):
+            drop = names.index("a") if "a" in names else len(names) - 1
+            design, names = np.delete(design, drop, axis=1), names[:drop] + names[drop + 1 :]
+        coef, _ = nnls(design, points[:, 2])
+        fitted = dict(zip(names, coef.tolist(), strict=True))
+        self.a, self.b, self.c = fitted.get("a", 0.0), fitted.get("b", 0.0), fitted.get("c", 0.0)
+
+    @property
+    def by_size(self) -> dict[int, float]:
+        """Decode-only steps: batch size -> recent mean seconds."""
+        return {rows: s for (rows, bucket), (_, _, s) in self.shapes.items() if bucket == 0 and rows}
 
     def observe(self, batch: int, seconds: float) -> None:
-        self.samples.append((batch, seconds))
-        old = self.by_size.get(batch)
-        self.by_size[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        slope, mx, my = _line(list(self.by_size.items()))
-        if slope is not None:
-            self.a = max(0.0, slope)
-            self.b = max(0.0, my - self.a * mx)
-        else:  # every step at one batch size: its mean time
-            self.a, self.b = 0.0, my
+        self.observe_step(batch, 0, seconds)
+
+    def observe_prefill_alone(self, tokens: int, seconds: float) -> None:
+        self.observe_step(0, tokens, seconds)
 
     def useful_batch(self, max_batch: int, min_gain: float = 0.02) -> int:
         """The largest batch worth running: beyond it one more row raises tokens/s by less than
@@ -118,33 +151,33 @@ class StepCost:
             n += 1
         return n
 
-    def observe_prefill_alone(self, tokens: int, seconds: float) -> None:
-        """A step that prefilled ``tokens`` prompt tokens and nothing else: fits prefill(n) = c0 + c1 x n
-        over 16-token buckets. A step has a fixed cost (every weight read once) that a small chunk
-        riding a decode step does not pay again: int8 SmolLM2-135M on 2 AVX2 cores took 94 ms for
-        under 32 tokens alone and 283 ms for 128, so the per-token mean overstated a chunk's cost 2x."""
-        if tokens <= 0:
-            return
-        bucket = tokens // 16
-        old = self.prefill_by_size.get(bucket)
-        point = (
-            (tokens, seconds) if old is None else (0.8 * old[0] + 0.2 * tokens, 0.8 * old[1] + 0.2 * seconds)
-        )
-        self.prefill_by_size[bucket] = point
-        c1, mx, my = _line(list(self.prefill_by_size.values()))
-        if c1 is not None and c1 > 0:
-            self.prefill_c1, self.prefill_c0 = c1, max(0.0, my - c1 * mx)
+    @property
+    def prefill_c0(self) -> float:
+        """A prompt step's fixed cost (the step's, shared with decode steps); 0 until a prompt step is seen."""
+        return self.b if self.c else 0.0
+
+    @property
+    def prefill_c1(self) -> float:
+        return self.c
 
     def prefill_alone_s(self, tokens: int) -> float:
         """A prompt's prefill in a step of its own."""
-        if self.prefill_c1:
-            return self.prefill_c0 + self.prefill_c1 * tokens
+        if self.c:
+            return self.b + self.c * tokens
         return tokens * self.prefill_s_per_token
+
+    def prefill_steps_s(self, tokens: int, chunk: int | None, rows: int = 0) -> float:
+        """A prompt of ``tokens`` prefilled in steps of at most ``chunk`` tokens, ``rows`` decode rows
+        riding each: every step pays the fixed cost and the rows once."""
+        steps = max(1, -(-tokens // chunk)) if chunk else 1
+        if not self.c:
+            return tokens * self.prefill_s_per_token + (steps * self.a * rows if rows else 0.0)
+        return steps * (self.b + self.a * rows) + self.c * tokens
 
     @property
     def prefill_marginal_s(self) -> float:
         """One more prompt token in a step that runs anyway."""
-        return self.prefill_c1 or self.prefill_s_per_token
+        return self.c or self.prefill_s_per_token
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -172,6 +205,7 @@ class Scheduler:
         self.default = default or QueuePolicy()
         self.aging_ns = aging_ms * 1e6
         self.max_batch = max_batch
+        self.prefill_chunk: int | None = None  # prompt tokens per step (None: a prompt in one step)
         self.cost = StepCost()
         self._waiting: list[Ticket] = []  # order is decided at pop time (aging changes it)
         self._counts: dict[int, int] = {}
@@ -186,14 +220,21 @@ class Scheduler:
     def depth(self, priority: int | None = None) -> int:
         return len(self._waiting) if priority is None else self._counts.get(priority, 0)
 
+    def queued_by_level(self) -> dict[int, int]:
+        return {level: n for level, n in sorted(self._counts.items()) if n}
+
     # ---- admission ------------------------------------------------------------------------------
 
     def submit(
-        self, ticket: Ticket, now_ns: int, running: int = 0, prefilling: dict[int, int] | None = None
+        self, ticket: Ticket, now_ns: int, running: int = 0, prefilling: dict[int, list[int]] | None = None,
+        step_left_s: float | None = None, decode_rows: int = 0,
     ) -> None:
         """Queue the request, or raise Rejected (429 when its level is full, 503 if it cannot make it).
 
-        ``prefilling``: prompt tokens still to prefill in the batch, by level (for the TTFT objective)."""
+        For the TTFT objective: ``prefilling``, the prompt tokens each request in the batch has still to
+        prefill after the running step, by level; ``step_left_s``, what the running step has left (0:
+        none runs; None: unknown, a whole step); ``decode_rows``, the rows that decode in the prompt
+        steps (0 where urgent prompts pause them)."""
         pol = self.policy(ticket.priority)
         if self._counts.get(ticket.priority, 0) >= pol.max_queue:
             raise Rejected(429, f"queue for priority {ticket.priority} is full ({pol.max_queue})",
@@ -204,8 +245,8 @@ class Scheduler:
             and self.cost.known
             and self.cost.prefill_s_per_token
         ):
-            expected = self.expected_ttft_s(ticket, running, prefilling or {})
-            if expected * 1e3 > pol.ttft_slo_ms:
+            expected = self.expected_ttft_s(ticket, running, prefilling or {}, step_left_s, decode_rows)
+            if expected * 1e3 > SHED_MARGIN * pol.ttft_slo_ms:
                 why = (
                     "no free row in the batch"
                     if expected == float("inf")
@@ -227,21 +268,24 @@ class Scheduler:
         self._waiting.append(ticket)
         self._counts[ticket.priority] = self._counts.get(ticket.priority, 0) + 1
 
-    def expected_ttft_s(self, ticket: Ticket, running: int, prefilling: dict[int, int]) -> float:
-        """The running step, then every prompt ahead of it at its level or a more urgent one (each
-        queued one as a step of its own, the tokens still prefilling in the batch at the per-token
-        cost) and its own prompt alone, then one step of the rows. No slot for it in the batch
-        (every row taken by requests that decode for many steps yet): it cannot start in time."""
+    def expected_ttft_s(self, ticket: Ticket, running: int, prefilling: dict[int, list[int]],
+                        step_left_s: float | None = None, decode_rows: int = 0) -> float:  # fmt: skip
+        """What the running step has left, then the prompts before it at its level or a more urgent
+        one (still prefilling in the batch, then queued), then its own: each in steps of its own of
+        at most ``prefill_chunk`` tokens (``plan_prefill``), its first token out of its last one. No
+        slot for it in the batch (every row taken by requests that decode for many steps yet): it
+        cannot start in time.
+
+        Measured (``benchmarks/priority.py``, int8 SmolLM2-135M, 2 AVX2 cores, 10x overload): counting
+        two whole decode steps instead of the running step's remainder turned away every interactive
+        request of 60-180 prompt tokens even with the server idle (0.53 s expected, about 0.4 s real)."""
         ahead = [t for t in self._waiting if t.priority <= ticket.priority]
         if running + len(ahead) >= self.max_batch:
             return float("inf")
-        step = self.cost.step_s(max(1, running))
-        queued = sum(self.cost.prefill_alone_s(t.prompt_tokens) for t in ahead)
-        inside = (
-            sum(n for level, n in prefilling.items() if level <= ticket.priority)
-            * self.cost.prefill_marginal_s
-        )
-        return 2 * step + queued + inside + self.cost.prefill_alone_s(ticket.prompt_tokens)
+        residual = self.cost.step_s(max(1, running)) if step_left_s is None else max(0.0, step_left_s)
+        prompts = [n for level, left in prefilling.items() if level <= ticket.priority for n in left]
+        prompts += [t.prompt_tokens for t in ahead] + [ticket.prompt_tokens]
+        return residual + sum(self.cost.prefill_steps_s(n, self.prefill_chunk, decode_rows) for n in prompts)
 
     def requeue(self, ticket: Ticket) -> None:
         """Put back a request that was taken but could not start (no KV-cache room): no admission checks."""
@@ -349,6 +393,8 @@ def plan_prefill(pending: list[Pending], chunk: int, rows: int, cost: StepCost,
     With an urgent level live:
       * while an urgent prompt is prefilling, the step is its prefill alone: less urgent prompts
         wait, and the decode rows pause for this one step (their keys/values stay where they are).
+        Urgent prompts go one per step, in order: sharing a step would put a later arrival's tokens
+        into an earlier one's time to first token, which admission had promised without them.
         On a CPU a prompt's prefill is compute-bound, so riding decode rows along saves little and
         delays its first token: a 128-token prompt took 251 ms alone, 320 ms beside 4 decode rows
         and 381 ms beside 8 (fp32 SmolLM2-135M, 2 AVX2 cores), while the rows' own step took 86-106;
@@ -361,14 +407,16 @@ def plan_prefill(pending: list[Pending], chunk: int, rows: int, cost: StepCost,
     order = sorted(pending, key=lambda p: (p.priority, p.seq))
     out = StepPlan()
     budget = chunk
-    protected = [p for p in order if urgency is not None and p.priority <= urgency.priority]
-    for p in protected if urgency is not None else order:
-        if budget and p.left:
-            take = min(p.left, budget)
-            out.prefill.append((p.key, take))
-            budget -= take
     if urgency is None:
+        for p in order:
+            if budget and p.left:
+                take = min(p.left, budget)
+                out.prefill.append((p.key, take))
+                budget -= take
         return out
+    protected = next((p for p in order if p.priority <= urgency.priority and p.left), None)
+    if protected is not None:  # one at a time: a later arrival never delays an earlier one's first token
+        out.prefill.append((protected.key, min(protected.left, chunk)))
     if out.prefill:
         out.decode = False
         return out

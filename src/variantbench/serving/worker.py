@@ -24,7 +24,15 @@ from typing import Any
 
 from variantbench.serving.batching import ChunkedPrefill
 from variantbench.serving.continuous import NoRoom
-from variantbench.serving.scheduler import QueuePolicy, Rejected, Scheduler, Ticket, Urgency, plan_prefill
+from variantbench.serving.scheduler import (
+    QueuePolicy,
+    Rejected,
+    Scheduler,
+    StepPlan,
+    Ticket,
+    Urgency,
+    plan_prefill,
+)
 
 RECENT_STEPS = 4096  # decode-step sizes and hold-opens kept for inspection (tests, debugging)
 LIVE_S = 5.0  # a level with a TTFT objective counts as live this long after its last arrival (at least)
@@ -95,7 +103,10 @@ class BatchWorker:
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
         self._started: dict[Any, float] = {}  # taken in, first token not out yet: key -> queue wait (s)
         self._levels: dict[int, _Level] = {}  # by priority: recent arrivals (for the TTFT objectives)
-        self._prefilling: dict[int, int] = {}  # prompt tokens still to prefill in the batch, by priority
+        self._prefilling: dict[int, list[int]] = {}  # per prompt, tokens left after the running step, by priority
+        self._step_end: float | None = None  # when the running step is expected to end (perf_counter s)
+        if isinstance(batch, ChunkedPrefill):
+            self.scheduler.prefill_chunk = batch.prefill_chunk
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
 
     def start(self) -> BatchWorker:
@@ -120,7 +131,14 @@ class BatchWorker:
         with self._cond:
             self._levels.setdefault(priority, _Level()).arrived(now / 1e9, len(prompt))
             # may raise Rejected
-            self.scheduler.submit(ticket, now, running=self.batch.active, prefilling=dict(self._prefilling))
+            step_left = 0.0 if self._step_end is None else self._step_end - now / 1e9
+            # its prompt pauses the decode rows if its level is the urgent one (``plan_prefill``)
+            chunked = isinstance(self.batch, ChunkedPrefill)
+            urgency = self.urgency(now / 1e9) if chunked else None
+            urgent = not chunked or (urgency is not None and priority <= urgency.priority)
+            rows = self.batch.active - sum(len(v) for v in self._prefilling.values())
+            self.scheduler.submit(ticket, now, running=self.batch.active, prefilling=dict(self._prefilling),
+                                  step_left_s=step_left, decode_rows=0 if urgent else max(0, rows))  # fmt: skip
             self._live[key] = live
             t = now / 1e9
             if self._last_arrival is not None:
@@ -207,9 +225,7 @@ class BatchWorker:
                 taken = self.scheduler.pop(now)
                 tickets.append(taken)
                 # prefilling from now on: admission counts its prompt before the next step says so
-                self._prefilling[taken.priority] = (
-                    self._prefilling.get(taken.priority, 0) + taken.prompt_tokens
-                )
+                self._prefilling.setdefault(taken.priority, []).append(taken.prompt_tokens)
             return tickets, expired, cancelled
 
     def urgency(self, now_s: float) -> Urgency | None:
@@ -256,6 +272,29 @@ class BatchWorker:
             self._emit(ticket.key, ("token", first, now, (t0 - ticket.arrival_ns) / 1e9))
             if done:
                 self._finish(ticket.key, ("done", "stop" if first in self.batch.stop_ids else "length"))
+
+    def _left_after(self, plan: StepPlan) -> dict[int, int]:
+        """Prompt tokens left to prefill by level once ``plan``'s chunks are computed."""
+        planned = dict(plan.prefill)
+        left: dict[int, list[int]] = {}
+        for p in sorted(self.batch.pending_prefills(), key=lambda p: p.seq):
+            rest = p.left - planned.get(p.key, 0)
+            if rest > 0:
+                left.setdefault(p.priority, []).append(rest)
+        return left
+
+    def _expected_step_s(self, rows: int, plan: StepPlan | None) -> float | None:
+        """The step about to run, by the cost model (None until it has learned)."""
+        cost = self.scheduler.cost
+        if not cost.known:
+            return None
+        if plan is None:
+            return cost.step_s(rows)
+        tokens = sum(n for _, n in plan.prefill)
+        decoding = rows - sum(1 for p in self.batch.pending_prefills() if p.left) if plan.decode else 0
+        if decoding <= 0:
+            return cost.prefill_alone_s(tokens)
+        return cost.step_s(decoding) + tokens * cost.prefill_marginal_s
 
     def hold_s(self, running: int) -> float:
         """How long to hold the next decode step open for an expected newcomer (0: step now).
@@ -318,31 +357,34 @@ class BatchWorker:
                     urgency = self.urgency(time.perf_counter())
                 plan = plan_prefill(self.batch.pending_prefills(), self.batch.prefill_chunk, len(self.batch.keys()),
                                     self.scheduler.cost, urgency)  # fmt: skip
+            expect = self._expected_step_s(size, plan)
             t0 = time.perf_counter()
+            with self._cond:  # admission reads what this step leaves and when it ends
+                self._step_end = None if expect is None else t0 + expect
+                if plan is not None:
+                    self._prefilling = self._left_after(plan)
             try:
                 produced = self.batch.step(plan) if plan is not None else self.batch.step()
             except Exception as exc:  # noqa: BLE001 - a failing step fails only this batch
+                with self._cond:
+                    self._step_end = None
                 for key in self.batch.keys():
                     self._started.pop(key, None)
                     self._finish(key, ("error", 500, f"{type(exc).__name__}: {exc}"))
                 continue
             seconds = time.perf_counter() - t0
             prompt_tokens = 0
+            with self._cond:
+                self._step_end = None
             if isinstance(self.batch, ChunkedPrefill):
                 size, prompt_tokens = self.batch.last_rows, self.batch.last_prompt_tokens
-                left: dict[int, int] = {}
-                for p in self.batch.pending_prefills():
-                    left[p.priority] = left.get(p.priority, 0) + p.left
                 with self._cond:
-                    self._prefilling = left
+                    self._prefilling = self._left_after(StepPlan())
             cost = self.scheduler.cost
             if prompt_tokens:  # a mixed step: what the decode rows alone would have cost is not prefill
                 decode_s = cost.step_s(size) if size and cost.known else 0.0
                 cost.observe_prefill(prompt_tokens, max(seconds - decode_s, 0.0))
-                if not size:
-                    cost.observe_prefill_alone(prompt_tokens, seconds)
-            elif size:
-                cost.observe(size, seconds)
+            cost.observe_step(size, prompt_tokens, seconds)
             if size:
                 self.batch_sizes.append(size)
             for listener in self.step_listeners:
