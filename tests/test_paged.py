@@ -145,3 +145,24 @@ def test_a_request_the_pool_cannot_hold_waits_for_room(decoder) -> None:  # noqa
         batch.begin("b", [5, 6, 7], 4)
     batch.leave("a")
     batch.begin("b", [5, 6, 7], 4)
+
+
+def test_the_prefix_caches_blocks_give_way_to_a_request(decoder) -> None:  # noqa: ANN001
+    """The cache keeps its blocks in the requests' pool: once a request needs them, the least recently
+    used go (a batch of one whose cache held 8 of its 17 blocks otherwise never started a request)."""
+    from variantbench.serving.paged import PagedBatch
+
+    probe = PagedBatch(decoder, max_batch=1, max_len=64)
+    block = probe.block
+    batch = PagedBatch(decoder, max_batch=1, max_len=4 * block, pool_tokens=3 * block, prefix_cache_mb=1)
+    assert batch.pool.blocks == 4
+    old = [3 + i % 390 for i in range(2 * block + 1)]
+    batch.join("old", old, 2)
+    while batch.active:
+        for key, _, done in batch.step():
+            if done:
+                batch.leave(key)
+    assert len(batch.prefix) == 2 and batch.pool.free_blocks == 2  # its two prompt blocks stay cached
+    fresh = [5 + i % 380 for i in range(3 * block)]
+    batch.begin("fresh", fresh, block)  # 4 blocks: the cached ones are let go
+    assert len(batch.prefix) == 0 and batch.pool.free_blocks == 0

@@ -186,6 +186,30 @@ def test_an_urgent_request_overtakes_a_long_prompt_being_prefilled(decoder) -> N
     assert (0, 4) in steps
 
 
+def test_an_urgent_request_is_not_held_behind_an_older_one_the_batch_size_limit_keeps_out(decoder) -> None:  # noqa: ANN001
+    """The soak's deadlock: the batch at the size that still pays, an aged batch request at the head of
+    the queue, an interactive one behind it. Admission must take the interactive one past it (its
+    objective lets it exceed that size), and its wait must not stop the batch's own prompt."""
+    from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.worker import BatchWorker
+
+    async def main() -> list[str]:
+        batch = ContinuousBatch(decoder, max_batch=4, max_len=512, prefill_chunk=8)
+        worker = BatchWorker(batch, aging_ms=1.0, policies={0: QueuePolicy(ttft_slo_ms=500)})
+        worker.scheduler.cost.useful_batch = lambda max_batch, min_gain=0.02: 1  # one row pays, no more
+        worker.start()
+        try:
+            long = [3 + i % 390 for i in range(400)]
+            other = [5 + i % 380 for i in range(400)]
+            requests = [("batch", long, 4, 1), ("batch-2", other, 4, 1), ("chat", [5, 6, 7, 8], 4, 0)]
+            return await asyncio.wait_for(_first_tokens(worker, requests), timeout=60)
+        finally:
+            worker.drain_and_stop()
+
+    order = asyncio.run(main())
+    assert order.index("chat") < order.index("batch-2")
+
+
 def test_the_same_traffic_without_priorities_waits_behind_the_long_prompt(decoder) -> None:  # noqa: ANN001
     from variantbench.serving.continuous import ContinuousBatch
     from variantbench.serving.worker import BatchWorker

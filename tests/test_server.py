@@ -148,6 +148,18 @@ def test_concurrent_requests_form_batches_and_an_idle_server_does_not(backends) 
         assert 'variantbench_requests_total{endpoint="completions",model="fp32",status="200"} 11.0' in metrics
 
 
+def test_a_served_model_starts_warm_with_its_step_cost_fitted_and_nothing_counted(backends) -> None:  # noqa: ANN001
+    from variantbench.serving.host import ServeOptions, serve_model
+
+    for kv in ("paged", "contiguous"):
+        worker = serve_model("fp32", backends["fp32"], ServeOptions(max_len=256, kv_cache=kv)).worker
+        cost = worker.scheduler.cost
+        assert cost.known and cost.b > 0 and cost.c > 0  # a prompt alone, one and two rows: all three terms
+        assert cost.prefill_alone_s(64) > cost.step_s(1) > 0
+        assert worker.batch.active == 0 and worker.batch.prompt_tokens == {"computed": 0, "cached": 0}
+        assert not worker.batch_sizes  # /metrics and the step log see requests' steps only
+
+
 def test_a_shared_prompt_prefix_is_served_from_the_prefix_cache(backends) -> None:  # noqa: ANN001
     head = "Read the report and answer the question with a short phrase taken from it. " * 6
     prompts = [head + "Q: who owns the mill? A:", head + "Q: where is the river? A:"]

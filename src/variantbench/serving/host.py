@@ -118,6 +118,7 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
                          policies=options.level_policies(), name=name)  # fmt: skip
+    worker.warm_up()  # the step-cost model fitted before the first request; not in the step log
     trace = os.environ.get("VARIANTBENCH_STEP_LOG")
     if trace:  # every step as a JSON line (end time on the monotonic clock): where a latency went
         worker.step_listeners.append(_step_log(trace, name, worker))

@@ -210,6 +210,15 @@ class PagedBatch:
         hit, borrowed = self.prefix.lookup(prompt, n - 1)
         share = self.share_prefixes and borrowed
         need = math.ceil((n + max_new) / self.block) - (len(borrowed) if share else 0)
+        if need > self.pool.free_blocks:
+            # the prefix cache's blocks come from the same pool: they give way to a request, least
+            # recently used first (kept, a serve with a batch of one never started: the warm-up's
+            # cached prompts held 8 of its 17 blocks), and the hit is looked up again after
+            while self.pool.free_blocks < need and self.prefix.evict_oldest():
+                pass
+            hit, borrowed = self.prefix.lookup(prompt, n - 1)
+            share = self.share_prefixes and borrowed
+            need = math.ceil((n + max_new) / self.block) - (len(borrowed) if share else 0)
         try:
             own = self.pool.allocate(need)
         except PoolFull:

@@ -134,6 +134,13 @@ class PrefixCache:
         self.nbytes -= b.nbytes
         self.keeper.drop(b.kv)
 
+    def evict_oldest(self) -> bool:
+        """Let the least recently used block go (False: none is kept)."""
+        if not self._blocks:
+            return False
+        self._drop(next(iter(self._blocks)))
+        return True
+
     def clear(self) -> None:
         while self._blocks:
             self._drop(next(iter(self._blocks)))

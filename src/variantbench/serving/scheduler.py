@@ -27,6 +27,7 @@ Pure Python and a clock passed in: the tests drive it with their own time.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 import itertools
 from typing import Any
@@ -326,11 +327,13 @@ class Scheduler:
             self._counts[t.priority] -= 1
         return out
 
-    def peek(self, now_ns: int) -> Ticket | None:
-        """The request ``pop`` would return, left in the queue."""
-        if not self._waiting:
+    def peek(self, now_ns: int, allowed: Callable[[Ticket], bool] | None = None) -> Ticket | None:
+        """The request ``pop`` would return, left in the queue; with ``allowed``, the first in that
+        order that it allows (the others keep their places)."""
+        candidates = [t for t in self._waiting if allowed is None or allowed(t)]
+        if not candidates:
             return None
-        return min(self._waiting, key=lambda t: self._effective(t, now_ns))
+        return min(candidates, key=lambda t: self._effective(t, now_ns))
 
     def pop(self, now_ns: int) -> Ticket | None:
         """The request to run next: lowest aged priority, then earliest arrival (or requeue)."""
@@ -340,6 +343,13 @@ class Scheduler:
         t = self._waiting.pop(best)
         self._counts[t.priority] -= 1
         return t
+
+    def take(self, ticket: Ticket) -> Ticket:
+        """Take this queued request out to run (``peek`` chose it)."""
+        i = next(i for i, t in enumerate(self._waiting) if t is ticket)
+        self._waiting.pop(i)
+        self._counts[ticket.priority] -= 1
+        return ticket
 
     def remove(self, key: Any) -> Ticket | None:
         """Drop a queued request (its client went away)."""
@@ -420,8 +430,9 @@ def plan_prefill(pending: list[Pending], chunk: int, rows: int, cost: StepCost,
     if out.prefill:
         out.decode = False
         return out
-    if urgency.waiting:
-        return out  # the others wait one step
+    if urgency.waiting and rows > len([p for p in pending if p.left]):
+        return out  # the others wait one step (the decode rows run it)
+    # nothing else would run: the less urgent prompts go on rather than leave the step empty
     low = min(chunk, lower_chunk(rows, cost, urgency))
     for p in order:
         if p.priority > urgency.priority and low and p.left:
