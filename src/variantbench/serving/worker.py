@@ -285,7 +285,8 @@ class BatchWorker:
         held = [live.priority for live in self._live.values()]
         if not held:
             return None
-        pending = {p.priority for p in self.batch.pending_prefills() if p.left}
+        # from what the lock guards, not the batch: submit asks this while a step may be running
+        pending = {level for level, left in self._prefilling.items() if left}
         for level in sorted(self._levels):
             if level >= max(held):
                 return None
