@@ -140,7 +140,8 @@ class LlamaCppBackend:
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop_ids
 
-    def threads(self) -> int:
+    def thread_count(self) -> int:
+        """Threads it runs on (the ``threads`` attribute is the request, None for every core)."""
         return self._threads()
 
     def tokenize(self, text: str) -> list[int]:

@@ -91,7 +91,7 @@ def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, p
     if backend.llm is None:
         raise RuntimeError("a batch for a backend that is not loaded")
     return LlamaCppBatch(backend.llm, max_batch=max_batch, max_len=min(max_len, backend.n_ctx),
-                         stop_ids=backend.stop_ids, threads=backend.threads())  # fmt: skip
+                         stop_ids=backend.stop_ids, threads=backend.thread_count())  # fmt: skip
 
 
 BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_cpp}
