@@ -187,3 +187,114 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
     small.close()
     batch.close()
     backend.close()
+
+
+def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
+    tiny_model_dir: Path, cache: Path, monkeypatch
+) -> None:
+    """Prompts begun while others decode ride in the same llama_decode (a plan may pause the rows),
+    a prompt that shares a finished or running one's prefix computes only the rest, and every answer
+    is the one the engine gives the prompt alone."""
+    from variantbench.backends.base import encode_request
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.serving.batching import batch_for
+    from variantbench.serving.scheduler import StepPlan
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
+    backend.load()
+    tok = backend.tokenizer
+    stem = "Read the report of the mayor of the town and answer the question that follows it"
+    texts = {"a": stem + ": who won?", "b": "The river", "c": stem + ": when?", "d": stem + ": when? Why?"}
+    prompts = {k: encode_request(tok, GenerationRequest(k, prompt=t)) for k, t in texts.items()}
+    want = {k: backend.generate([GenerationRequest(k, prompt=t, max_new_tokens=8)])[0].text for k, t in texts.items()}
+    batch = batch_for(backend, max_batch=4, max_len=128, prefill_chunk=8, prefix_cache_mb=1)
+    batch.stop_ids = frozenset()
+    got: dict[str, list[int]] = {}
+    shapes = []
+
+    def run(plan: StepPlan | None = None) -> None:
+        for key, token, done in batch.step(plan):
+            got.setdefault(key, []).append(token)
+            if done:
+                batch.leave(key)
+        shapes.append((batch.last_rows, batch.last_prompt_tokens))
+
+    batch.begin("a", prompts["a"], 8)
+    while "a" not in got:
+        run()
+    assert all(tokens <= 8 for _, tokens in shapes)  # chunks of prefill_chunk
+    computed = batch.prompt_tokens["computed"]
+    batch.begin("b", prompts["b"], 8)
+    run()  # a decodes beside b's prompt in one call
+    assert shapes[-1][0] == 1 and shapes[-1][1] > 0
+    batch.begin("c", prompts["c"], 8)  # shares a's prompt while a runs
+    pending = {p.key: p.left for p in batch.pending_prefills()}
+    assert pending["c"] < len(prompts["c"]) - 10
+    run(StepPlan(prefill=[("c", 2)], decode=False))  # the rows pause for c's chunk
+    assert shapes[-1] == (0, 2)
+    while batch.active:
+        run()
+    assert batch.prompt_tokens["cached"] > 10
+    batch.begin("d", prompts["d"], 8)  # c has finished: its kept keys/values are taken over
+    shared = next(i for i, (x, y) in enumerate(zip(prompts["c"] + [-1], prompts["d"])) if x != y)
+    assert shared > 10 and {p.key: p.left for p in batch.pending_prefills()}["d"] == len(prompts["d"]) - shared
+    while batch.active:
+        run()
+    assert batch.prompt_tokens["computed"] - computed < sum(len(prompts[k]) for k in "bcd") - 20
+    for key, tokens in got.items():
+        assert len(tokens) == 8
+        stop = next((i for i, t in enumerate(tokens) if t in backend._stop_ids), len(tokens))
+        assert tok.decode(tokens[:stop], skip_special_tokens=True).strip() == want[key], key
+    off = batch_for(backend, max_batch=2, max_len=128, prefix_cache_mb=0)
+    off.join("a", prompts["a"], 2)
+    off.leave("a")
+    off.join("c", prompts["c"], 2)
+    assert off.prompt_tokens["cached"] == 0
+    off.close()
+    batch.close()
+    backend.close()
+
+
+def test_a_gguf_variant_is_served_with_the_engines_greedy_text(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+    """The whole serving path on llama.cpp (warm-up, chunked prefill, prefix reuse, HTTP), as
+    ``variantbench serve --variants gguf-f32`` runs it: concurrent clients get what the engine
+    gives each prompt alone, and /metrics counts the prompt tokens the kept prefixes served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.loadgen.noop_server import ThreadServer
+    from variantbench.serving.app import make_app
+    from variantbench.serving.host import ServeOptions, serve_model
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32", threads=2)
+    backend.load()
+    stem = "Read the report of the mayor of the town and answer: "
+    prompts = [stem + q for q in ("who won?", "when?", "where is the mill?", "why?")]
+    chats = [({"role": "user", "content": p},) for p in prompts]
+    want = [backend.generate([GenerationRequest(str(i), messages=m, max_new_tokens=6)])[0].text
+            for i, m in enumerate(chats)]  # fmt: skip
+    models = {"gguf-f32": serve_model("gguf-f32", backend, ServeOptions(max_len=256, prefill_chunk=8))}
+    try:
+        with ThreadServer(app=make_app(models)) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+
+            def ask(messages: tuple) -> str:
+                body = {"model": "gguf-f32", "messages": list(messages), "max_tokens": 6, "temperature": 0}
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["message"]["content"].strip()
+
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(ask, chats))
+            assert got == want
+            assert ask(chats[0]) == want[0]  # again, from its kept prefix
+            metrics = client.get("/metrics").text
+            cached = re.search(r'variantbench_prompt_tokens_total\{model="gguf-f32",source="cached"\} (\S+)', metrics)
+            assert cached and float(cached.group(1)) >= len(prompts[0]) // 2
+    finally:
+        for m in models.values():
+            m.worker.drain_and_stop()
+        backend.close()

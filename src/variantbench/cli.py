@@ -663,10 +663,10 @@ def serve(
     ] = None,
     max_len: Annotated[int, typer.Option(help="context per request (prompt + output tokens)")] = 2048,
     prefill_chunk: Annotated[
-        int, typer.Option(help="prompt tokens per step, prefilled beside the decode rows (torch engine)")
+        int, typer.Option(help="prompt tokens per step, prefilled beside the decode rows")
     ] = 256,
     prefix_cache_mb: Annotated[
-        float, typer.Option(help="MiB of prompt-prefix keys/values kept for reuse (torch engine; 0: off)")
+        float, typer.Option(help="MiB of prompt-prefix keys/values kept for reuse (llama.cpp: finished prompts kept; 0: off)")
     ] = 256.0,
     queue_policy: Annotated[
         list[str] | None,

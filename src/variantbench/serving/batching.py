@@ -6,10 +6,9 @@ A new engine that can be served is one more entry here.
 - ``torch`` (our decoder): ``PagedBatch`` (a paged KV cache, the default) or ``ContinuousBatch``
   (one contiguous cache), chunked prefill beside the decode rows and, when ``prefix_cache_mb`` > 0,
   prefix caching.
-- ``llama.cpp``: ``LlamaCppBatch``, up to ``max_batch`` sequences per ``llama_decode``. Prompts are
-  prefilled at admission in llama.cpp's own ``n_batch`` chunks; ``prefill_chunk`` and
-  ``prefix_cache_mb`` do not apply: on this CPU a llama.cpp step costs rows x one row's time, so
-  riding a prompt along a decode step saves nothing.
+- ``llama.cpp``: ``LlamaCppBatch``, up to ``max_batch`` sequences per ``llama_decode``, with the same
+  chunked prefill (prompt tokens ride in the decode rows' call) and prefix reuse (finished prompts'
+  keys/values kept under their sequence ids; ``prefix_cache_mb`` 0 turns it off).
 """
 
 from __future__ import annotations
@@ -91,7 +90,8 @@ def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, p
     if backend.llm is None:
         raise RuntimeError("a batch for a backend that is not loaded")
     return LlamaCppBatch(backend.llm, max_batch=max_batch, max_len=min(max_len, backend.n_ctx),
-                         stop_ids=backend.stop_ids, threads=backend.thread_count())  # fmt: skip
+                         stop_ids=backend.stop_ids, threads=backend.thread_count(), prefill_chunk=prefill_chunk,
+                         cache_seqs=8 if prefix_cache_mb > 0 else 0)  # fmt: skip
 
 
 BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_cpp}

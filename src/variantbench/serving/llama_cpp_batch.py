@@ -1,37 +1,68 @@
 """Continuous batching on llama.cpp: one context, one sequence id per request, one ``llama_decode`` per step.
 
-The same contract as ``ContinuousBatch`` (join / step / leave between decode steps), so the batch
-worker, the scheduler and the HTTP server run a GGUF exactly as they run our torch engine, and the
-serving benchmark can compare the engine and the batching apart. llama.cpp's own server
-(``python -m llama_cpp.server``) runs one request at a time per process; this runs up to
-``max_batch`` sequences in one decode call, as llama.cpp's C++ server does with ``--parallel``.
+The same contract as ``ContinuousBatch`` (begin / step / leave between steps, or ``join`` to prefill
+at once), so the batch worker, the scheduler and the HTTP server run a GGUF exactly as they run our
+torch engine: chunked prefill beside the decode rows in the same ``llama_decode`` call (prompt
+tokens and decode tokens share one llama batch, as llama.cpp's C++ server does), the scheduler's
+plan per step (an urgent prompt alone, less urgent ones in short chunks), and prefix reuse.
+
+Prefix reuse: a finished request's keys/values stay in the cache under its sequence id (up to
+``cache_seqs`` of them, least recently used first out, and only while their cells are not needed by
+running requests). A newcomer takes over the retained sequence that shares the longest prefix with
+its prompt (its cells past the shared prefix are dropped) or, when a running request shares more,
+gets that prefix by ``llama_memory_seq_cp``, which in the unified cache shares the cells instead of
+copying them. Only the rest of the prompt is computed, and always its last token (its logits give
+the first output token). This is what llama.cpp's own servers do (``cache_prompt``; the Python
+server reuses its last prompt's prefix): without it our server paid the chat template's tokens for
+every request that llama_cpp.server had paid once.
 
 The KV cache is unified (``kv_unified``): every sequence may use up to ``max_len`` positions, and
 all together at most ``kv_tokens``; a request is admitted only when the tokens it may still need
-(prompt + max_new) fit beside the running requests' reservations, else ``NoRoom``. Greedy decoding
-(argmax of the logits), as everywhere else. Not thread-safe: one executor owns it.
+(prompt + max_new) fit beside the running requests' reservations once retained sequences have given
+way, else ``NoRoom``. Greedy decoding (argmax of the logits), as everywhere else. Not thread-safe:
+one executor owns it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from variantbench.serving.continuous import NoRoom, check_join
+from variantbench.serving.scheduler import Pending, StepPlan
 
 
 @dataclass
 class _Seq:
     key: Any
     seq_id: int
+    prompt: list[int]
     max_new: int
     reserved: int  # prompt + max_new: the cache positions this request may take
-    position: int  # position of the last token fed
-    next_id: int
-    tokens: list[int] = field(default_factory=list)
-    done: bool = False
+    done: int = 0  # prompt tokens whose keys/values are in the cache
+    priority: int = 0
+    order: int = 0  # taken in
+    tokens: list[int] = field(default_factory=list)  # output tokens (the last one not fed yet)
+    finished: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.prompt)
+
+    def fed(self) -> list[int]:
+        """The tokens whose keys/values this sequence holds, in position order."""
+        return self.prompt[: self.done] + (self.tokens[:-1] if not self.prefilling else [])
+
+
+def _common(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class LlamaCppBatch:
@@ -43,7 +74,8 @@ class LlamaCppBatch:
         stop_ids: tuple[int, ...] = (),
         threads: int = 1,
         kv_tokens: int | None = None,
-        n_batch: int = 512,
+        prefill_chunk: int = 256,
+        cache_seqs: int = 8,
     ) -> None:
         import llama_cpp
         from llama_cpp import _internals
@@ -52,13 +84,17 @@ class LlamaCppBatch:
         self.max_len = max_len
         self.stop_ids = frozenset(stop_ids)
         self.kv_tokens = kv_tokens or min(max_len * max_batch, 32768)
-        self.n_batch = max(n_batch, max_batch)
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.cache_seqs = max(0, int(cache_seqs))
+        # one llama batch holds a step: every decode row and the prompt chunks of a plan (a plan's
+        # urgent prompt may take up to prefill_chunk beside the rows); join prefills in such chunks
+        self.n_batch = self.prefill_chunk + max_batch
         # the model's own context settings (flash attention, rope, ...) with room for max_batch sequences
         params = type(llm.context_params).from_buffer_copy(llm.context_params)
         params.n_ctx = self.kv_tokens
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
-        params.n_seq_max = max_batch
+        params.n_seq_max = max_batch + self.cache_seqs
         params.kv_unified = True
         params.n_threads = threads
         params.n_threads_batch = threads
@@ -66,13 +102,21 @@ class LlamaCppBatch:
         self._llama_cpp = llama_cpp
         self._ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
         self._batch = _internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
+        self._memory = self._ctx.memory
         self.n_vocab = llm.n_vocab()
-        self.slots: list[_Seq] = []
-        self._free = list(range(max_batch - 1, -1, -1))
+        self.slots: list[_Seq] = []  # in the batch: prefilling or decoding, in order taken in
+        self._free = list(range(max_batch + self.cache_seqs - 1, -1, -1))
+        self._kept: OrderedDict[int, list[int]] = OrderedDict()  # retained seq id -> its tokens, LRU first
+        self.last_rows = 0  # decode rows in the last step
+        self.last_prompt_tokens = 0  # prompt tokens computed in the last step
+        self.prompt_tokens = {"computed": 0, "cached": 0}  # every prompt token taken in, by source
+        self._taken = 0
 
     def close(self) -> None:
         self._batch.close()
         self._ctx.close()
+
+    # ---- admission ------------------------------------------------------------------------------
 
     @property
     def active(self) -> int:
@@ -82,14 +126,93 @@ class LlamaCppBatch:
         return [s.key for s in self.slots]
 
     def describe(self) -> str:
-        return f"llama.cpp KV cache of {self.kv_tokens} tokens"
+        return f"llama.cpp KV cache of {self.kv_tokens} tokens, up to {self.cache_seqs} finished prompts kept"
 
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= min(self.max_len, self.kv_tokens)
 
-    def _argmax(self, i: int) -> int:
-        ptr = self._llama_cpp.llama_get_logits_ith(self._ctx.ctx, i)
-        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+    def _drop(self, seq_id: int) -> None:
+        self._llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._free.append(seq_id)
+
+    def _source(self, prompt: list[int]) -> tuple[int, int | None, bool]:
+        """(shared tokens, the sequence holding them, whether it is a retained one) for ``prompt``;
+        the last prompt token is never shared (its logits give the first output token)."""
+        limit = len(prompt) - 1
+        best, src, kept = 0, None, False
+        for seq_id, tokens in self._kept.items():
+            n = _common(tokens, prompt, limit)
+            if n > best:
+                best, src, kept = n, seq_id, True
+        for s in self.slots:
+            n = _common(s.fed(), prompt, limit)
+            if n > best:
+                best, src, kept = n, s.seq_id, False
+        return best, src, kept
+
+    def _make_room(self, need: int, keep: int | None, new_id: bool) -> None:
+        """Retained sequences give way, least recently used first, until ``need`` more reserved cells
+        fit in the cache beside the running requests' reservations and, with ``new_id``, a sequence
+        id is free (never ``keep``, the one being taken over)."""
+
+        def used() -> int:
+            return sum(s.reserved for s in self.slots) + sum(len(t) for t in self._kept.values())
+
+        for seq_id in [i for i in self._kept if i != keep]:
+            if used() + need <= self.kv_tokens and (self._free or not new_id):
+                break
+            del self._kept[seq_id]
+            self._drop(seq_id)
+        if used() + need > self.kv_tokens:
+            raise NoRoom(f"no room for {need} more tokens beside the running requests")
+        if new_id and not self._free:
+            raise NoRoom("every sequence id is running")
+
+    def _take_in(self, key: Any, prompt: list[int], max_new: int, priority: int) -> _Seq:
+        n = len(prompt)
+        check_join(self, n, max_new)
+        shared, src, kept = self._source(prompt)
+        if kept:  # take the retained sequence over: its cells past the shared prefix go
+            # its cells become part of this request's reservation
+            self._make_room(n + max_new - len(self._kept[src]), keep=src, new_id=False)
+            del self._kept[src]
+            seq_id = src
+            self._llama_cpp.llama_memory_seq_rm(self._memory, seq_id, shared, -1)
+        else:
+            self._make_room(n + max_new, keep=None, new_id=True)
+            seq_id = self._free.pop()
+            self._llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            if src is not None and shared:  # the running one's cells, shared (unified cache)
+                self._llama_cpp.llama_memory_seq_cp(self._memory, src, seq_id, 0, shared)
+            else:
+                shared = 0
+        self.prompt_tokens["cached"] += shared
+        self.prompt_tokens["computed"] += n - shared
+        self._taken += 1
+        seq = _Seq(key, seq_id, list(prompt), max_new, n + max_new, done=shared, priority=priority, order=self._taken)
+        self.slots.append(seq)
+        return seq
+
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
+        """Take a request in; the next steps prefill its prompt beside the decode rows, and the step
+        that completes it returns its first token."""
+        self._take_in(key, prompt, max_new, priority)
+
+    def pending_prefills(self) -> list[Pending]:
+        return [Pending(s.key, s.priority, len(s.prompt) - s.done, s.order) for s in self.slots if s.prefilling]
+
+    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
+        """Prefill ``prompt`` now, alone (in chunks of ``n_batch``); returns (first token, finished already)."""
+        seq = self._take_in(key, prompt, max_new, 0)
+        try:
+            while seq.prefilling:
+                self._decode([], [(seq, min(self.n_batch, len(seq.prompt) - seq.done))])
+        except Exception:
+            self.leave(key)
+            raise
+        return seq.tokens[0], seq.finished
+
+    # ---- steps ----------------------------------------------------------------------------------
 
     def _put(self, j: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
         b = self._batch.batch
@@ -99,53 +222,89 @@ class LlamaCppBatch:
         b.seq_id[j][0] = seq_id
         b.logits[j] = logits
 
-    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
-        n = len(prompt)
-        check_join(self, n, max_new)
-        if sum(s.reserved for s in self.slots) + n + max_new > self.kv_tokens:
-            raise NoRoom(f"no room for {n} + {max_new} tokens beside the running requests")
-        seq_id = self._free.pop()
-        memory = self._ctx.memory
-        self._llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-        try:
-            for start in range(0, n, self.n_batch):  # prompt in chunks of n_batch, logits for the last only
-                chunk = prompt[start : start + self.n_batch]
-                self._batch.batch.n_tokens = len(chunk)
-                for i, token in enumerate(chunk):
-                    self._put(i, token, start + i, seq_id, start + i == n - 1)
-                self._ctx.decode(self._batch)
-            first = self._argmax(len(chunk) - 1)
-        except Exception:
-            self._llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
-            self._free.append(seq_id)
-            raise
-        seq = _Seq(key, seq_id, max_new, n + max_new, n - 1, first, [first])
-        seq.done = first in self.stop_ids or max_new <= 1
-        self.slots.append(seq)
-        return first, seq.done
+    def _argmax(self, i: int) -> int:
+        ptr = self._llama_cpp.llama_get_logits_ith(self._ctx.ctx, i)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
-    def step(self) -> list[tuple[Any, int, bool]]:
-        rows = [s for s in self.slots if not s.done]
-        if not rows:
-            return []
-        self._batch.batch.n_tokens = len(rows)
-        for i, s in enumerate(rows):
-            self._put(i, s.next_id, s.position + 1, s.seq_id, True)
-        self._ctx.decode(self._batch)
+    def _decode(self, rows: list[_Seq], chunks: list[tuple[_Seq, int]]) -> list[tuple[Any, int, bool]]:
+        """One ``llama_decode``: a token per decode row, then each chunk's prompt tokens (logits for
+        a prompt's last token only). Returns the rows' new tokens and the completed prompts' first."""
+        j = 0
+        for s in rows:
+            pos = len(s.prompt) + len(s.tokens) - 1
+            self._put(j, s.tokens[-1], pos, s.seq_id, True)
+            j += 1
+        ends = []
+        for s, take in chunks:
+            for i in range(s.done, s.done + take):
+                last = i == len(s.prompt) - 1
+                self._put(j, s.prompt[i], i, s.seq_id, last)
+                if last:
+                    ends.append((s, j))
+                j += 1
+        self._batch.batch.n_tokens = j
+        code = self._llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
+        if code == 1:  # no cache slot for the batch (fragmentation): the request waits, nothing lost
+            raise NoRoom("the llama.cpp KV cache has no slot for this step")
+        if code != 0:
+            raise RuntimeError(f"llama_decode returned {code}")
+        for s, take in chunks:
+            s.done += take
         out = []
         for i, s in enumerate(rows):
             token = self._argmax(i)
-            s.position += 1
-            s.next_id = token
             s.tokens.append(token)
-            s.done = token in self.stop_ids or len(s.tokens) >= s.max_new
-            out.append((s.key, token, s.done))
+            s.finished = token in self.stop_ids or len(s.tokens) >= s.max_new
+            out.append((s.key, token, s.finished))
+        for s, at in ends:
+            token = self._argmax(at)
+            s.tokens.append(token)
+            s.finished = token in self.stop_ids or s.max_new <= 1
+            out.append((s.key, token, s.finished))
         return out
 
+    def step(self, plan: StepPlan | None = None) -> list[tuple[Any, int, bool]]:
+        """One step: a token for every decode row, plus prompt tokens of the requests taken in by
+        ``begin``, as ``plan`` says (tokens per request, whether the rows decode or pause), or up
+        to ``prefill_chunk`` by level then order taken in. Returns [(key, new token, done)], a
+        newcomer's first token among them once its prompt is complete. A paused row keeps its
+        keys/values and position."""
+        decoding = [s for s in self.slots if not s.prefilling and not s.finished]
+        pending = [s for s in self.slots if s.prefilling]
+        chunks: list[tuple[_Seq, int]] = []
+        if plan is None:
+            budget = self.prefill_chunk
+            for s in sorted(pending, key=lambda s: (s.priority, s.order)):
+                if budget:
+                    take = min(len(s.prompt) - s.done, budget)
+                    chunks.append((s, take))
+                    budget -= take
+        else:
+            by_key = {s.key: s for s in pending}
+            for key, take in plan.prefill:
+                s = by_key.get(key)
+                if s is not None and take > 0:
+                    chunks.append((s, min(take, len(s.prompt) - s.done, self.prefill_chunk)))
+        rows = decoding if plan is None or plan.decode or not chunks else []
+        self.last_rows, self.last_prompt_tokens = len(rows), sum(t for _, t in chunks)
+        if not rows and not chunks:
+            return []
+        return self._decode(rows, chunks)
+
     def leave(self, key: Any) -> None:
+        """Remove a request (finished, cancelled or disconnected). A finished prompt's keys/values
+        are retained for prefix reuse (``cache_seqs`` at most, least recently used out first)."""
         idx = next((i for i, s in enumerate(self.slots) if s.key == key), None)
         if idx is None:
             return
         seq = self.slots.pop(idx)
-        self._llama_cpp.llama_memory_seq_rm(self._ctx.memory, seq.seq_id, -1, -1)
-        self._free.append(seq.seq_id)
+        fed = seq.fed()
+        if not self.cache_seqs or not fed:
+            self._drop(seq.seq_id)
+            return
+        # what may stay: the fed tokens (a cancelled prompt's computed part too)
+        self._llama_cpp.llama_memory_seq_rm(self._memory, seq.seq_id, len(fed), -1)
+        self._kept[seq.seq_id] = fed
+        while len(self._kept) > self.cache_seqs:
+            old, _ = self._kept.popitem(last=False)
+            self._drop(old)
