@@ -22,9 +22,10 @@ then is bisected until the bracket between the best pass and the lowest fail is 
 With ``--queries`` 60 per rate the P99 is the slowest request: the stated target (10 s by default) is
 met by every request. Target of the issue: (b) at least 3x (a).
 
-Every rate gets prompts of its own (no prompt repeats in a run), so the prefix cache of (a) and
-(b) reuses only what real traffic shares: the chat template and a task's instructions. The share of
-prompt tokens it served is printed; ``--prefix-cache-mb 0`` turns it off.
+Every rate gets prompts of its own (no prompt repeats in a run), so the prefix cache of (a), (b)
+and (d) reuses only what real traffic shares: the chat template and a task's instructions. The share
+of prompt tokens it served is printed; ``--prefix-cache-mb 0`` turns it off. (c) reuses its previous
+prompt's prefix (llama-cpp-python's own), which it does not count.
 
 Beside each of (a) and (b): its queue-free ceiling at the P99 target, from the costs
 ``benchmarks/batching_ceiling.py`` measures (prefill alone, answer length, decode steps at 1-32
@@ -291,7 +292,7 @@ def main() -> None:
         with Running(cmd, port) as srv:
             s.startup_s = time.monotonic() - t0
             sweep(s, srv.url, libraries, args)
-            if s.label in ("a", "b"):
+            if s.label in ("a", "b", "d"):
                 s.cached_share = prefix_share(srv.url, s.model)
             if s.label == "b":
                 overhead = stack_overhead(srv.url, s.model)
