@@ -21,7 +21,9 @@ Per phase: the interactive class's TTFT (client side: request sent to the first 
 which the server sends once the first token exists) p50/p90/p99/max and the share within
 ``--slo-ms``; the batch class's output tokens/s (completion tokens of its requests / the span from
 the phase's first request to its last completion); the server's busy share (its
-``variantbench_busy_seconds`` over the phase's wall time, from /metrics); rejected requests.
+``variantbench_busy_seconds`` over the phase's wall time, from /metrics); rejected requests; the
+server's resident memory (process and children) once it answers and its peak during the phase,
+sampled every second (under overload it must stay bounded).
 
 Goals (issue 21): with priorities, interactive p99 TTFT <= ``--slo-ms`` and the batch class keeps at
 least 70% of its tokens/s alone; the server at least 70% busy.
@@ -48,11 +50,13 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 import urllib.request
 
 import httpx
+import psutil
 
 from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
@@ -79,6 +83,8 @@ class Phase:
     outcomes: list[Outcome] = field(default_factory=list)
     busy_share: float = 0.0
     wall_s: float = 0.0
+    rss_start_mb: float = 0.0  # the server's resident memory once it answers (warmed up, idle)
+    rss_peak_mb: float = 0.0
 
     def of(self, cls: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.cls == cls]
@@ -95,6 +101,44 @@ class Phase:
 
     def rejected(self, cls: str) -> int:
         return sum(1 for o in self.of(cls) if o.status != 200)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a server process and its children (MiB)."""
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+class PeakRss:
+    """The server's resident memory, sampled every second while a phase runs: under overload it must
+    stay bounded (issue 21's reliability goal)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self.peak = rss_mb(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.peak = max(self.peak, rss_mb(self.pid))
+            except psutil.Error:
+                return
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -245,8 +289,11 @@ def main() -> None:
         with Running(cmd, port) as srv:
             before, t0 = busy_seconds(srv.url, args.variant), time.perf_counter()
             start_mono = time.monotonic()
-            outcomes = asyncio.run(drive(srv.url, args.variant, streams))
-            phase = Phase(name, outcomes, wall_s=time.perf_counter() - t0)
+            with PeakRss(srv.proc.pid) as rss:
+                outcomes = asyncio.run(drive(srv.url, args.variant, streams))
+            phase = Phase(
+                name, outcomes, wall_s=time.perf_counter() - t0, rss_start_mb=rss.start, rss_peak_mb=rss.peak
+            )
             phase.busy_share = (busy_seconds(srv.url, args.variant) - before) / phase.wall_s
         phases.append(phase)
         if args.dump:  # send times on the monotonic clock, as the server's VARIANTBENCH_STEP_LOG
@@ -256,16 +303,17 @@ def main() -> None:
                                          "done_s": o.done_s and start_mono + o.done_s, "status": o.status}) + "\n")  # fmt: skip
         t = phase.ttfts("interactive")
         within = sum(1 for x in t if x * 1e3 <= args.slo_ms) / len(t) if t else math.nan
-        print(f"  {name}: {phase.wall_s:.0f} s, busy {phase.busy_share:.0%}, batch {phase.tokens_per_s('batch'):.1f} "
+        print(f"  {name}: {phase.wall_s:.0f} s, busy {phase.busy_share:.0%}, RSS {phase.rss_start_mb:.0f} MiB at start, "
+              f"peak {phase.rss_peak_mb:.0f} MiB, batch {phase.tokens_per_s('batch'):.1f} "
               f"tokens/s" + (f", interactive TTFT p50 {percentile(t, .5) * 1e3:.0f} ms p99 "
                              f"{percentile(t, .99) * 1e3:.0f} ms, {within:.0%} within" if t else ""), flush=True)  # fmt: skip
 
     print()
     print(
         f"| phase | interactive TTFT p50 ms | p90 | p99 | max | within {args.slo_ms:g} ms | rejected | "
-        "batch tokens/s | x alone | batch TTFT p50 s | busy |"
+        "batch tokens/s | x alone | batch TTFT p50 s | busy | RSS start / peak MiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     alone = next((p for p in phases if p.name == "alone"), None)
     for p in phases:
         t = p.ttfts("interactive")
@@ -281,7 +329,8 @@ def main() -> None:
         rejected = p.rejected("interactive") + p.rejected("batch")
         print(
             f"| {p.name} | {cells} | {rejected} | {b:.1f} | {share} | "
-            f"{statistics.median(bt) if bt else math.nan:.2f} | {p.busy_share:.0%} |"
+            f"{statistics.median(bt) if bt else math.nan:.2f} | {p.busy_share:.0%} | "
+            f"{p.rss_start_mb:.0f} / {p.rss_peak_mb:.0f} |"
         )
     for p in phases:
         for o in p.outcomes:

@@ -25,8 +25,7 @@ import sys
 import threading
 import time
 
-from priority import busy_seconds, drive, mixed_streams, percentile  # this folder's: the same client
-import psutil
+from priority import busy_seconds, drive, mixed_streams, percentile, rss_mb  # this folder's: the same client
 
 from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
@@ -34,17 +33,6 @@ from variantbench.loadgen.server_process import Running
 from variantbench.metrics.windows import Window, stable
 from variantbench.models import parse_model, prepare_model
 from variantbench.workloads.counting import tokenizer_counter
-
-
-def rss_mb(pid: int) -> float:
-    proc = psutil.Process(pid)
-    total = proc.memory_info().rss
-    for child in proc.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            pass
-    return total / 2**20
 
 
 def main() -> None:
