@@ -257,3 +257,16 @@ def test_requests_of_one_level_share_steps_rows_do_not_pause_for_their_peers(dec
 
     steps = asyncio.run(main())
     assert any(rows and prompt for rows, prompt in steps)  # the peer's chunks rode along the decode row
+
+
+def test_a_level_stays_live_through_the_long_gaps_of_poisson_traffic() -> None:
+    """Arrivals are memoryless: a gap of 8 mean gaps (0.03% of Poisson gaps) is not the traffic's end,
+    so the less urgent prompts keep short chunks; after 10 gaps without an arrival the level lapses."""
+    from variantbench.serving.worker import _Level
+
+    level = _Level()
+    for i in range(20):
+        level.arrived(2.0 * i, 64)  # every 2 s
+    last = 38.0
+    assert level.live(last + 8 * 2.0)
+    assert not level.live(last + 10.5 * 2.0)

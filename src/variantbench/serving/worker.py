@@ -36,6 +36,13 @@ from variantbench.serving.scheduler import (
 
 RECENT_STEPS = 4096  # decode-step sizes and hold-opens kept for inspection (tests, debugging)
 LIVE_S = 5.0  # a level with a TTFT objective counts as live this long after its last arrival (at least)
+# ... and for this many of its mean gaps: arrivals are memoryless, so a long gap does not mean the
+# traffic stopped. At 4 gaps (P(gap > 4 x mean) = 1.8% for Poisson arrivals) the level lapsed after
+# such a gap, a less urgent prompt took a whole 256-token chunk (0.57 s, int8 SmolLM2-135M, 2 AVX2
+# cores) and the interactive request arriving during it waited 446-968 ms for its first token (the
+# soak's per-window p99s). At 10 gaps the chance is 0.005%; the price is short chunks for 10 gaps
+# after the traffic really stops
+LIVE_GAPS = 10.0
 
 
 def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
@@ -62,7 +69,7 @@ class _Level:
         """An arrival is still expected: the last one is recent against the level's own rhythm."""
         if self.last_s is None:
             return False
-        return now_s - self.last_s < max(LIVE_S, 4 * (self.gap_s or 0.0))
+        return now_s - self.last_s < max(LIVE_S, LIVE_GAPS * (self.gap_s or 0.0))
 
     def typical_prompt(self) -> int:
         ranked = sorted(self.prompts)
