@@ -39,9 +39,9 @@ LIVE_S = 5.0  # a level with a TTFT objective counts as live this long after its
 # ... and for this many of its mean gaps: arrivals are memoryless, so a long gap does not mean the
 # traffic stopped. At 4 gaps (P(gap > 4 x mean) = 1.8% for Poisson arrivals) the level lapsed after
 # such a gap, a less urgent prompt took a whole 256-token chunk (0.57 s, int8 SmolLM2-135M, 2 AVX2
-# cores) and the interactive request arriving during it waited 446-968 ms for its first token (the
-# soak's per-window p99s). At 10 gaps the chance is 0.005%; the price is short chunks for 10 gaps
-# after the traffic really stops
+# cores) and the interactive request arriving during it waited 446 ms for its first token (in a
+# run with the step log; the soak's per-window p99s, not logged, reached 968 ms). At 10 gaps the
+# chance is 0.005%; the price is short chunks for 10 gaps after the traffic really stops
 LIVE_GAPS = 10.0
 
 
