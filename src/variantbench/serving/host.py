@@ -71,7 +71,9 @@ class ServeOptions:
     max_len: int = 2048
     aging_ms: float = 1000.0
     prefill_chunk: int = 256  # prompt tokens per step, prefilled beside the decode rows
-    prefix_cache_mb: float = 256.0  # keys/values of prompt prefixes kept for reuse (llama.cpp: finished prompts kept); 0: off
+    prefix_cache_mb: float = (
+        256.0  # keys/values of prompt prefixes kept for reuse (llama.cpp: finished prompts kept); 0: off
+    )
     policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
     # level 0's first-token objective unless its own policy sets one (None: none); the seeds' promise
     ttft_slo_ms: float | None = 500.0

@@ -189,7 +189,9 @@ class LlamaCppBatch:
         self.prompt_tokens["cached"] += shared
         self.prompt_tokens["computed"] += n - shared
         self._taken += 1
-        seq = _Seq(key, seq_id, list(prompt), max_new, n + max_new, done=shared, priority=priority, order=self._taken)
+        seq = _Seq(
+            key, seq_id, list(prompt), max_new, n + max_new, done=shared, priority=priority, order=self._taken
+        )
         self.slots.append(seq)
         return seq
 
@@ -199,7 +201,9 @@ class LlamaCppBatch:
         self._take_in(key, prompt, max_new, priority)
 
     def pending_prefills(self) -> list[Pending]:
-        return [Pending(s.key, s.priority, len(s.prompt) - s.done, s.order) for s in self.slots if s.prefilling]
+        return [
+            Pending(s.key, s.priority, len(s.prompt) - s.done, s.order) for s in self.slots if s.prefilling
+        ]
 
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone (in chunks of ``n_batch``); returns (first token, finished already)."""
@@ -244,8 +248,8 @@ class LlamaCppBatch:
                 j += 1
         self._batch.batch.n_tokens = j
         code = self._llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
-        if code == 1:  # no cache slot for the batch (fragmentation): the request waits, nothing lost
-            raise NoRoom("the llama.cpp KV cache has no slot for this step")
+        if code == 1:  # no cache slot: admission reserves every request's room, so only fragmentation
+            raise NoRoom("the llama.cpp KV cache has no slot for this step")  # the worker fails the step
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code}")
         for s, take in chunks:

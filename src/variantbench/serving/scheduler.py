@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import itertools
 from typing import Any
 
-
 # admission sheds what it expects past this share of the objective: the cost model predicts the next
 # step within -21%..+25% (p10..p90, int8 SmolLM2-135M at 10x overload), and the client's own HTTP
 # and tokenization add to its time to first token; at 1.0, 11 of 101 admitted requests took 508-634 ms
@@ -227,8 +226,13 @@ class Scheduler:
     # ---- admission ------------------------------------------------------------------------------
 
     def submit(
-        self, ticket: Ticket, now_ns: int, running: int = 0, prefilling: dict[int, list[int]] | None = None,
-        step_left_s: float | None = None, decode_rows: int = 0,
+        self,
+        ticket: Ticket,
+        now_ns: int,
+        running: int = 0,
+        prefilling: dict[int, list[int]] | None = None,
+        step_left_s: float | None = None,
+        decode_rows: int = 0,
     ) -> None:
         """Queue the request, or raise Rejected (429 when its level is full, 503 if it cannot make it).
 
@@ -337,12 +341,8 @@ class Scheduler:
 
     def pop(self, now_ns: int) -> Ticket | None:
         """The request to run next: lowest aged priority, then earliest arrival (or requeue)."""
-        if not self._waiting:
-            return None
-        best = min(range(len(self._waiting)), key=lambda i: self._effective(self._waiting[i], now_ns))
-        t = self._waiting.pop(best)
-        self._counts[t.priority] -= 1
-        return t
+        t = self.peek(now_ns)
+        return None if t is None else self.take(t)
 
     def take(self, ticket: Ticket) -> Ticket:
         """Take this queued request out to run (``peek`` chose it)."""

@@ -110,7 +110,9 @@ class BatchWorker:
         self._gap_s: float | None = None  # moving average of the gaps between arrivals
         self._started: dict[Any, float] = {}  # taken in, first token not out yet: key -> queue wait (s)
         self._levels: dict[int, _Level] = {}  # by priority: recent arrivals (for the TTFT objectives)
-        self._prefilling: dict[int, list[int]] = {}  # per prompt, tokens left after the running step, by priority
+        self._prefilling: dict[
+            int, list[int]
+        ] = {}  # per prompt, tokens left after the running step, by priority
         self._step_end: float | None = None  # when the running step is expected to end (perf_counter s)
         if isinstance(batch, ChunkedPrefill):
             self.scheduler.prefill_chunk = batch.prefill_chunk
@@ -132,20 +134,20 @@ class BatchWorker:
         counters = getattr(self.batch, "prompt_tokens", None)
         before = dict(counters) if isinstance(counters, dict) else None
         cost = self.scheduler.cost
+
+        def step(counted: bool) -> None:
+            rows = self.batch.active
+            t0 = time.perf_counter()
+            self.batch.step()
+            seconds = time.perf_counter() - t0
+            tokens = 0
+            if chunked:
+                rows, tokens = self.batch.last_rows, self.batch.last_prompt_tokens
+            if counted:
+                cost.observe_step(rows, tokens, seconds)
+
         for n in range(passes):
             counted = n == passes - 1
-
-            def step() -> None:
-                rows = self.batch.active
-                t0 = time.perf_counter()
-                self.batch.step()
-                seconds = time.perf_counter() - t0
-                tokens = 0
-                if chunked:
-                    rows, tokens = self.batch.last_rows, self.batch.last_prompt_tokens
-                if counted:
-                    cost.observe_step(rows, tokens, seconds)
-
             for i, length in enumerate((64, 16)[: self.batch.max_batch]):
                 prompt = [3 + (n * 131 + i * 17 + j * 7) % 297 for j in range(length)]
                 t0 = time.perf_counter()
@@ -155,9 +157,9 @@ class BatchWorker:
                     self.batch.join(("warm-up", n, i), prompt, 8)
                     if counted:
                         cost.observe_prefill(length, time.perf_counter() - t0)
-                step()
-                step()
-            step()
+                step(counted)
+                step(counted)
+            step(counted)
             for key in list(self.batch.keys()):
                 self.batch.leave(key)
         if before is not None:  # /metrics counts the requests' prompt tokens only
