@@ -228,3 +228,25 @@ def test_compiled_decode_step_gives_the_same_tokens(tiny_model_dir: Path) -> Non
         want = [r.text for r in eager.generate(batch)]
         assert [r.text for r in compiled.generate(batch)] == want
     assert counters["stats"]["unique_graphs"] == graphs  # loading compiled every graph a run needs
+
+
+def test_the_default_compile_variant_loads_and_decodes_batches(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor itself (the variant's default), once: its lowering of the packed multi-row matmul
+    wants frozen weights, and failed the load with an AssertionError until that op ran outside
+    the graph. ~30 s here from a cold code cache."""
+    from variantbench.backends.base import GenerationRequest
+    from variantbench.backends.torch_backend import TorchBackend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    requests = [
+        GenerationRequest("a", prompt="The mayor of the town", max_new_tokens=6),
+        GenerationRequest("b", prompt="A letter from a resident who", max_new_tokens=9),
+    ]
+    eager, compiled = TorchBackend(str(tiny_model_dir), "fp32"), TorchBackend(str(tiny_model_dir), "compile")
+    eager.load()
+    assert compiled.load().details["compile"] == {"backend": "inductor"}
+    for batch in (requests[:1], requests):
+        assert [r.text for r in compiled.generate(batch)] == [r.text for r in eager.generate(batch)]
+    assert compiled.compact_weights() == 0  # a compiled step keeps its split-K copy

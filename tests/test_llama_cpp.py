@@ -6,8 +6,8 @@ Skipped when llama-cpp-python (the ``llamacpp`` extra, a long source build) is n
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+import re
 import shutil
 
 import pytest
@@ -237,7 +237,7 @@ def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
         run()
     assert batch.prompt_tokens["cached"] > 10
     batch.begin("d", prompts["d"], 8)  # c has finished: its kept keys/values are taken over
-    shared = next(i for i, (x, y) in enumerate(zip(prompts["c"] + [-1], prompts["d"])) if x != y)
+    shared = next(i for i, (x, y) in enumerate(zip(prompts["c"] + [-1], prompts["d"], strict=False)) if x != y)
     assert shared > 10 and {p.key: p.left for p in batch.pending_prefills()}["d"] == len(prompts["d"]) - shared
     while batch.active:
         run()

@@ -386,6 +386,7 @@ def test_serve_command_rejects_bad_options_in_one_line(tiny_model_dir: Path) -> 
         (["--queue-policy", "0:size=3"], "unknown key"),
         (["--prefill-chunk", "0"], "prefill-chunk"),
         (["--prefix-cache-mb", "-1"], "prefix-cache-mb"),
+        (["--weight-layout", "split"], "weight-layout"),
     ]:
         result = runner.invoke(app, ["serve", "--model", str(tiny_model_dir), *args])
         assert result.exit_code == 2, (args, result.output)

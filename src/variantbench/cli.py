@@ -684,6 +684,13 @@ def serve(
     kv_cache: Annotated[
         str, typer.Option(help="torch engine: paged (blocks from a pool, memory as used) or contiguous")
     ] = "paged",
+    weight_layout: Annotated[
+        str,
+        typer.Option(
+            help="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split "
+            "(a second copy: one row decodes ~10% faster, +0.8x the weights in memory)"
+        ),
+    ] = "packed",
     router: Annotated[
         str | None, typer.Option(help="tiered router over LIGHT,STANDARD variants, e.g. int8,fp32")
     ] = None,
@@ -738,7 +745,8 @@ def serve(
         options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                queue_timeout_ms=queue_timeout_ms, max_len=max_len, prefill_chunk=prefill_chunk,
                                prefix_cache_mb=prefix_cache_mb, policies=policies,
-                               ttft_slo_ms=ttft_slo_ms or None, kv_cache=kv_cache)  # fmt: skip
+                               ttft_slo_ms=ttft_slo_ms or None, kv_cache=kv_cache,
+                               weight_layout=weight_layout)  # fmt: skip
         base = str(prepare_model(parse_model(model), status=say))
         models = load_models(base, names, options, device=device, threads=threads, say=say)
     except UserError as exc:

@@ -88,6 +88,14 @@ class ReportsStatus(Protocol):
 
 
 @runtime_checkable
+class CompactsWeights(Protocol):
+    """Can drop a second, speed-only copy of its weights (a server's memory over batch-1 speed);
+    returns the bytes it freed (0: it keeps one copy already)."""
+
+    def compact_weights(self) -> int: ...
+
+
+@runtime_checkable
 class LogProbs(Protocol):
     """Next-token log-probabilities of given token ids (logit fidelity)."""
 

@@ -30,6 +30,16 @@ import torch.nn.functional as F
 SPLIT_K_MAX_ROWS = 32
 
 
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Inductor lowers this op only for weights it froze as graph constants; ours live outside any
+# module, so a compiled step (the ``compile`` variant) ran into an AssertionError at load on its
+# first multi-row call. It runs the op eagerly instead, a graph break per projection.
+_packed_linear_eager = torch.compiler.disable(_packed_linear)
+
+
 class _DenseT:
     """Fused dense projection over ``cat(weights)``, stored in the layout that decodes fastest.
 
@@ -44,8 +54,14 @@ class _DenseT:
     every call, so 4 rows cost 4-6x one row and batching gained nothing. A oneDNN copy of the
     weights, packed once (``mkldnn._reorder_linear_weight``) on the first such call, runs 4 rows of
     the 576x3072 MLP projection in 398 us against 868 us (split-K) and 1088 us (``x @ Wt``), and
-    is 1.02-1.5x faster than ``x @ Wt`` from 32 to 512 rows, measured here. The price is a second
-    copy of the weights in memory.
+    is 1.02-1.5x faster than ``x @ Wt`` from 32 to 512 rows, measured here.
+
+    A server can keep one copy instead of two (``drop_plain``, issue 21: a served variant's idle
+    RSS was 2.8x its weights). The packed copy serves one row too, but slower when the weights
+    stream from DRAM: a decode step's 30 SmolLM2 layers took 19.7 ms packed against 17.4 ms
+    split-K at one row (2 rows 21.4 against 22.2; 4 rows 16.6 against 30.7), measured here with
+    405 MB of distinct weights. So ``variantbench run`` keeps both (batch-1 latency is what it
+    measures) and ``serve`` keeps one by default (``--weight-layout``).
     """
 
     def __init__(self, linears: Sequence[nn.Linear], threads: int | None = None) -> None:
@@ -53,21 +69,13 @@ class _DenseT:
             weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
             self.out_features, self.in_features = weight.shape
             self.transposed = weight.dtype == torch.float32
-            self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
-            threads = threads or torch.get_num_threads()
             on_cpu = weight.device.type == "cpu"
-            self.split = (
-                threads
-                if on_cpu and self.transposed and threads > 1 and self.in_features % threads == 0
-                else 1
-            )
-            self.weight_split = (
-                self.weight.view(self.split, self.in_features // self.split, self.out_features)
-                if self.split > 1
-                else None
-            )
-            self.packed: torch.Tensor | None = None  # the oneDNN copy, made on first use
             self.pack = on_cpu and self.transposed and torch.backends.mkldnn.is_available()
+            self.packed: torch.Tensor | None = None  # the oneDNN copy
+            self.weight: torch.Tensor | None = None  # the plain copy (x @ weight, split-K, lookups)
+            self.weight_split: torch.Tensor | None = None
+            self.split = 1
+            self._keep_plain(weight, threads or torch.get_num_threads(), on_cpu)
             biases = [lin.bias for lin in linears]
             if all(b is None for b in biases):
                 self.bias = None
@@ -79,16 +87,40 @@ class _DenseT:
                     ]
                 )
 
+    def _keep_plain(self, weight: torch.Tensor, threads: int, on_cpu: bool) -> None:
+        self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
+        self.split = (
+            threads if on_cpu and self.transposed and threads > 1 and self.in_features % threads == 0 else 1
+        )
+        self.weight_split = (
+            self.weight.view(self.split, self.in_features // self.split, self.out_features)
+            if self.split > 1
+            else None
+        )
+
+    def _ensure_packed(self) -> torch.Tensor:
+        if self.packed is None:
+            assert self.weight is not None
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous())
+        return self.packed
+
+    def drop_plain(self) -> bool:
+        """Keep only the packed copy (every row count runs through it); False where there is none."""
+        if not self.pack:
+            return False
+        self._ensure_packed()
+        self.weight = self.weight_split = None
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
-        if self.pack and rows > 1:
-            if self.packed is None:
-                with torch.no_grad():
-                    self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous())
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, self.bias,
-                                                     "none", [], "")  # fmt: skip
+        if self.pack and (rows > 1 or self.weight is None):
+            self._ensure_packed()  # made on the first multi-row call
+            linear = _packed_linear_eager if torch.compiler.is_compiling() else _packed_linear
+            out = linear(x.reshape(rows, self.in_features), self.packed, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.weight_split is not None and rows <= SPLIT_K_MAX_ROWS:
             chunk = self.in_features // self.split
@@ -307,6 +339,20 @@ class LlamaDecoder:
         self._step = self._decode_step
         self.compiled = False
         self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
+
+    def drop_split_copies(self) -> int:
+        """Each layer keeps only its packed weights (see ``_DenseT``); the vocabulary head keeps
+        both, as tied embeddings look tokens up in its plain copy. Returns the bytes freed.
+        A compiled step keeps both: the packed op runs outside its graph, so every row would."""
+        if self.compiled:
+            return 0
+        freed = 0
+        for layer in self.layers:
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if isinstance(proj, _DenseT) and proj.weight is not None:
+                    size = proj.weight.numel() * proj.weight.element_size()
+                    freed += size if proj.drop_plain() else 0
+        return freed
 
     # ---- building blocks -------------------------------------------------------------------
 
