@@ -160,6 +160,9 @@ def schedule(rate: float, duration_s: float, rng: random.Random) -> list[float]:
         out.append(t)
 
 
+INTERACTIVE_MIX = {"qa": 0.5, "generation": 0.3, "classification": 0.2}
+
+
 def mixed_streams(
     args: argparse.Namespace, duration_s: float, counter: Any
 ) -> tuple[list, list, tuple, tuple]:
@@ -168,7 +171,7 @@ def mixed_streams(
     rng = random.Random(args.seed)
     i_times = schedule(args.interactive_rate, duration_s, rng)
     b_times = schedule(args.batch_rate, duration_s, rng)
-    interactive = build_synthetic(max(1, len(i_times)), args.seed, mix={"qa": 0.5, "generation": 0.3, "classification": 0.2},
+    interactive = build_synthetic(max(1, len(i_times)), args.seed, mix=INTERACTIVE_MIX,
                                   lengths=parse_lengths(args.interactive_lengths), counter=counter).samples  # fmt: skip
     batch = build_synthetic(max(1, len(b_times)), args.seed + 1, mix={"summarization": 1.0},
                             lengths=parse_lengths(args.batch_lengths), counter=counter).samples  # fmt: skip

@@ -2,14 +2,18 @@
 
     python benchmarks/soak.py [--minutes 30] [--interactive-rate 0.25] [--batch-rate 0.08]
                               [--variant smooth+int8:act=token] [--window-min 5] [--seed 0]
+                              [--schedule repeat|poisson]
 
 One ``variantbench serve`` process on 127.0.0.1 gets both Poisson streams of ``priority.py``
-(interactive priority 0, batch priority 1) for ``--minutes``; by default rates meant to keep this
+(interactive priority 0, batch priority 1) for ``--minutes``. By default (``--schedule repeat``)
+one window's draw is offered in every window (the same arrival times, tasks and prompt lengths,
+new prompt text), so each window offers the same work and a window that differs shows drift, not
+the schedule: with one Poisson draw over the whole run (``--schedule poisson``) the windows were
+offered 20-28 batch requests each and their mean latencies followed. Rates are meant to keep this
 machine's server about 70% busy (``priority.py`` prints the busy share of its phases, and so does
 this): at batch 0.12/s it was 92% busy, the batch backlog came and went and the windows' mean
 latency moved 6.9-19 s, so the default is 0.08/s: 68% busy, 576 requests, 0 errors, RSS -1.7% from
-minute 5, window means 4.1-8.2 s (not stable by the rule: the seeded schedule offered 20-28 batch
-requests per window, and the means follow it). Every 10 s the server's resident memory (psutil, the
+minute 5, window means 4.1-8.2 s (one Poisson draw). Every 10 s the server's resident memory (psutil, the
 process and its children) is sampled.
 
 Goals (issue 21): zero errors; RSS growth under 5% from minute 5 to the end; per-window latency
@@ -23,12 +27,22 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import statistics
 import sys
 import threading
 import time
+from typing import Any
 
-from priority import busy_seconds, drive, mixed_streams, percentile, rss_mb  # this folder's: the same client
+from priority import (  # this folder's: the same client and streams
+    INTERACTIVE_MIX,
+    busy_seconds,
+    drive,
+    mixed_streams,
+    percentile,
+    rss_mb,
+    schedule,
+)
 
 from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
@@ -36,6 +50,42 @@ from variantbench.loadgen.server_process import Running
 from variantbench.metrics.windows import Window, stable
 from variantbench.models import parse_model, prepare_model
 from variantbench.workloads.counting import tokenizer_counter
+from variantbench.workloads.lengths import LengthDistribution, parse_lengths
+from variantbench.workloads.synthetic import build_synthetic
+
+
+def repeated_streams(
+    args: argparse.Namespace, duration_s: float, window_s: float, counter: Any
+) -> tuple[list, list, tuple, tuple]:
+    """One window of both Poisson streams (seeded), offered again in every window: the same
+    arrival times, tasks and prompt lengths, but new prompt text each time (a repeated prompt
+    would come from the prefix cache and lighten the later windows). Every window then offers the
+    same work, so a window that differs shows the server drifting, not the schedule."""
+    rng = random.Random(args.seed)
+    one = {
+        "interactive": schedule(args.interactive_rate, window_s, rng),
+        "batch": schedule(args.batch_rate, window_s, rng),
+    }
+    first = {
+        "interactive": build_synthetic(max(1, len(one["interactive"])), args.seed, mix=INTERACTIVE_MIX,
+                                       lengths=parse_lengths(args.interactive_lengths), counter=counter).samples,
+        "batch": build_synthetic(max(1, len(one["batch"])), args.seed + 1, mix={"summarization": 1.0},
+                                 lengths=parse_lengths(args.batch_lengths), counter=counter).samples,
+    }  # fmt: skip
+    times: dict[str, list[float]] = {"interactive": [], "batch": []}
+    samples: dict[str, list] = {"interactive": [], "batch": []}
+    for w in range(math.ceil(duration_s / window_s)):
+        for cls in times:
+            for j, (t, like) in enumerate(zip(one[cls], first[cls], strict=False)):
+                if w * window_s + t >= duration_s:
+                    break
+                times[cls].append(w * window_s + t)
+                n = like.input_tokens  # counted with the model's tokenizer
+                assert n, "the streams' samples are counted with the model's tokenizer"
+                samples[cls].append(like if w == 0 else build_synthetic(
+                    1, args.seed + 1000 * w + j + (500 if cls == "batch" else 0), mix={like.task: 1.0},
+                    lengths=LengthDistribution("fixed", n, n), counter=counter).samples[0])  # fmt: skip
+    return times["interactive"], times["batch"], tuple(samples["interactive"]), tuple(samples["batch"])
 
 
 def main() -> None:
@@ -52,6 +102,9 @@ def main() -> None:
     ap.add_argument("--warmup-min", type=float, default=5.0, help="RSS growth and windows count from here")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule", choices=["repeat", "poisson"], default="repeat",
+                    help="repeat: one window's arrivals and prompt lengths offered in every window; "
+                         "poisson: one draw over the whole run")  # fmt: skip
     args = ap.parse_args()
     if args.minutes <= args.warmup_min:
         ap.error("--minutes must exceed --warmup-min")
@@ -60,7 +113,10 @@ def main() -> None:
     base = str(prepare_model(parse_model(None), status=print))
     counter = tokenizer_counter(base)
     duration = args.minutes * 60
-    i_times, b_times, interactive, batch = mixed_streams(args, duration, counter)
+    if args.schedule == "repeat":
+        i_times, b_times, interactive, batch = repeated_streams(args, duration, args.window_min * 60, counter)
+    else:
+        i_times, b_times, interactive, batch = mixed_streams(args, duration, counter)
     print(cpu_summary())
     print(f"{args.variant}, {threads} threads, {args.minutes:g} minutes: interactive {len(i_times)} requests "
           f"({args.interactive_rate:g}/s), batch {len(b_times)} ({args.batch_rate:g}/s)", flush=True)  # fmt: skip

@@ -56,6 +56,9 @@ def test_every_request_starts_from_an_empty_context(tiny_model_dir: Path, cache:
     monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
     backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
     backend.load()
+    # it stops where llama.cpp's own server does: every end-of-generation token, not the EOS alone
+    tok = backend.tokenizer
+    assert {tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")} <= set(backend.stop_ids)
     same = [GenerationRequest(f"s{i}", prompt=PROMPTS[0], max_new_tokens=5) for i in range(3)]
     results = backend.generate(same)
     assert len({r.text for r in results}) == 1

@@ -99,7 +99,8 @@ class LlamaCppBackend:
         self._llm = self._open(path, self.n_ctx)
         eos = self._tokenizer.eos_token_id
         model_eos = self._llm.token_eos()
-        self._stop_ids = tuple(sorted({int(t) for t in (eos, model_eos) if t is not None and t >= 0}))
+        self._stop_ids = tuple(sorted({int(t) for t in (eos, model_eos, *self._end_of_generation())
+                                       if t is not None and t >= 0}))  # fmt: skip
         self._info = {
             "backend": "llama.cpp",
             "variant": self.name,
@@ -135,6 +136,16 @@ class LlamaCppBackend:
     def llm(self) -> Any:
         """The loaded ``llama_cpp.Llama`` (serving batches its low-level context)."""
         return self._llm
+
+    def _end_of_generation(self) -> list[int]:
+        """Every token llama.cpp ends a generation at (``llama_vocab_is_eog``), as its own server
+        does: for SmolLM2 <|endoftext|> and id 4 beside the EOS <|im_end|>. Stopping at the EOS
+        alone, our server answered ~6 tokens longer than llama.cpp's on the same prompts."""
+        from variantbench.variants.gguf import require_llama_cpp
+
+        llama_cpp = require_llama_cpp()
+        vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+        return [t for t in range(self._llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
