@@ -13,7 +13,9 @@ offered 20-28 batch requests each and their mean latencies followed. Rates are m
 machine's server about 70% busy (``priority.py`` prints the busy share of its phases, and so does
 this): at batch 0.12/s it was 92% busy, the batch backlog came and went and the windows' mean
 latency moved 6.9-19 s, so the default is 0.08/s: 68% busy, 576 requests, 0 errors, RSS -1.7% from
-minute 5, window means 4.1-8.2 s (one Poisson draw). Every 10 s the server's resident memory (psutil, the
+minute 5, window means 4.1-8.2 s (one Poisson draw). With the same draw in every window (AVX-512
+host): 516 requests, 0 errors, 76% busy, RSS -3.1% from minute 5, window means 5.9-7.4 s, -9% to
++15% of their mean with no trend: host noise at this load, still outside the rule. Every 10 s the server's resident memory (psutil, the
 process and its children) is sampled.
 
 Goals (issue 21): zero errors; RSS growth under 5% from minute 5 to the end; per-window latency
