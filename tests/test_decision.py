@@ -3,6 +3,10 @@
 The statistics alone (no model) in seeded simulations; the interleaving and the sequential rule on
 the tiny model, with a planted slowdown of one variant (its backend sleeps a quarter of each call's
 own time: a true throughput ratio of 0.8).
+
+The tiny model runs on one torch thread: its steps are ~1 ms, and on a 2-vCPU host two threads
+made one query of 24 tokens take anywhere from 23 to 73 ms (a barrier per matmul across vCPUs the
+hypervisor schedules apart; 13-42 ms on one thread), which drowned the planted 20% in 4 of 5 runs.
 """
 
 from __future__ import annotations
@@ -126,7 +130,8 @@ def _run_plan(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(registry, "make_backend", planted)
     data: dict[str, Any] = {
-        "out": str(tmp_path / "out"), "model": {"source": str(tiny_model_dir)}, "variants": ["fp32", "bf16"],
+        "out": str(tmp_path / "out"), "model": {"source": str(tiny_model_dir), "threads": 1},
+        "variants": ["fp32", "bf16"],
         "workload": {"input_lengths": "uniform:400-600", "max_new_tokens": 24},
         "load": {"scenario": "single-stream", "tasks": 8},
         "quality": {"fidelity": False}, "analysis": {"diagnose": False, "cold_start": False, "batch_rounds": 0},
@@ -141,12 +146,16 @@ def _run_plan(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_interleaved_turns_and_a_planted_slowdown_decided_by_the_sequential_rule(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
     report = _run_plan(
         tmp_path,
         tiny_model_dir,
         monkeypatch,
         analysis={"until_decided": True, "looks": 6, "decide_within_s": None},
     )
+    assert torch.get_num_threads() == threads  # the plan's one thread ended with its backends
     ex = report["execution"]
     assert ex["interleaved"] is True
     rep = ex["repeats"][0]

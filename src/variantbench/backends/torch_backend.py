@@ -11,6 +11,28 @@ from variantbench.errors import UserError
 from variantbench.heap import return_heap_to_os
 from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
 
+# torch's thread count belongs to the process, and interleaved variants live side by side in one:
+# the count from before the first backend that set one comes back when the last of them closes.
+_threads_pins: list[int] = []  # [the count before, backends holding a pin]
+
+
+def _pin_threads(threads: int) -> None:
+    import torch
+
+    if not _threads_pins:
+        _threads_pins.extend([torch.get_num_threads(), 0])
+    _threads_pins[1] += 1
+    torch.set_num_threads(threads)
+
+
+def _unpin_threads() -> None:
+    import torch
+
+    _threads_pins[1] -= 1
+    if _threads_pins[1] == 0:
+        torch.set_num_threads(_threads_pins.pop(0))
+        _threads_pins.clear()
+
 
 class TorchBackend:
     """Runs greedy generation for one variant of a Llama-architecture model.
@@ -38,6 +60,7 @@ class TorchBackend:
         self._decoder: Any = None
         self._tokenizer: Any = None
         self._stop_ids: tuple[int, ...] = ()
+        self._pinned_threads = False
         self._max_positions: int | None = None
         self._info: dict[str, Any] = {}
 
@@ -67,7 +90,8 @@ class TorchBackend:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()  # e.g. the linear-attn weights it does not know, put back below
         if self.threads:
-            torch.set_num_threads(self.threads)
+            _pin_threads(self.threads)
+            self._pinned_threads = True
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
         recipes, load_time = self.spec.recipes, self.spec.load_chain
@@ -157,6 +181,9 @@ class TorchBackend:
     def close(self) -> None:
         self._decoder = None
         self._tokenizer = None
+        if self._pinned_threads:
+            _unpin_threads()
+            self._pinned_threads = False
         gc.collect()
 
     # ---- serving --------------------------------------------------------------------------------
