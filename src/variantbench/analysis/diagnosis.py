@@ -24,6 +24,8 @@ import subprocess
 import sys
 from typing import Any
 
+from variantbench.compute import on_compute
+
 FAMILIES = ("matmul", "attention", "quantize/dequantize", "norm", "other")
 STORY = "Write a long story about a small town on a river, its market, its mayor and its people."
 _CONVERSIONS = ("aten::to", "aten::_to_copy")
@@ -109,6 +111,7 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(devnull)
 
 
+@on_compute  # on the thread that runs the model: the profiler records the calling thread's ops
 def profile_decoder(decoder: Any, prompt_len: int = 128, steps: int = 8) -> dict[str, Any]:
     """Profile one prefill of ``prompt_len`` tokens and ``steps`` decode steps at batch 1."""
     import torch

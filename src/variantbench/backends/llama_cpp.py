@@ -28,6 +28,7 @@ from variantbench.backends.base import (
     failed_result,
     sequential_result,
 )
+from variantbench.compute import on_compute
 from variantbench.variants.spec import Artifact, VariantSpec, check_engine, ensure_artifact, plain_artifact
 
 
@@ -79,6 +80,7 @@ class LlamaCppBackend:
             verbose=False,
         )
 
+    @on_compute
     def load(self) -> LoadInfo:
         from variantbench.variants.gguf import GgufVariant, gguf_file_type, require_llama_cpp
 
@@ -120,6 +122,7 @@ class LlamaCppBackend:
     def info(self) -> dict[str, Any]:
         return dict(self._info) if self._info else {"backend": "llama.cpp", "variant": self.name}
 
+    @on_compute
     def close(self) -> None:
         for llm in (self._llm, self._scorer):
             if llm is not None:
@@ -158,6 +161,7 @@ class LlamaCppBackend:
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @on_compute
     def token_log_probs(self, ids: list[int]) -> Any:
         """Next-token log-probabilities at every position (logit fidelity): float32 [len(ids), vocab].
 
@@ -215,6 +219,7 @@ class LlamaCppBackend:
             req.request_id, self._tokenizer, ids, tokens, token_ns, start, self._stop_ids, timings
         )
 
+    @on_compute
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if self._llm is None:
             raise RuntimeError("generate() before load()")

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from variantbench.backends.base import Encoded, GenerationRequest, GenerationResult, LoadInfo, encode_request
+from variantbench.compute import on_compute
 from variantbench.errors import UserError
 from variantbench.heap import return_heap_to_os
 from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
@@ -71,6 +72,7 @@ class TorchBackend:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
+    @on_compute
     def load(self) -> LoadInfo:
         # built before the startup clock starts (a no-op when the build step handed it over)
         self.artifact = ensure_artifact(
@@ -168,6 +170,7 @@ class TorchBackend:
     def info(self) -> dict[str, Any]:
         return dict(self._info) if self._info else {"backend": "torch", "variant": self.name}
 
+    @on_compute
     def compact_weights(self) -> int:
         """One copy of each layer's weights (served fp32 on CPU: 405 of 513 MiB freed for the
         default model, idle RSS 1,446 -> ~1,000 MiB, batch-1 decode ~10% slower)."""
@@ -178,6 +181,7 @@ class TorchBackend:
         return_heap_to_os()
         return freed
 
+    @on_compute
     def close(self) -> None:
         self._decoder = None
         self._tokenizer = None
@@ -218,6 +222,7 @@ class TorchBackend:
         """Token ids of the request, through the chat template when the tokenizer has one."""
         return encode_request(self._tokenizer, request)
 
+    @on_compute
     def token_log_probs(self, ids: list[int]) -> Any:
         """Next-token log-probabilities at every position (logit fidelity): float32 [len(ids), vocab]."""
         if self._decoder is None:
@@ -253,6 +258,7 @@ class TorchBackend:
             raise RuntimeError("generate() before load()")
         return self.generate_encoded(requests, [self.encode_ahead(r) for r in requests])
 
+    @on_compute
     def generate_encoded(
         self, requests: list[GenerationRequest], encoded: list[Encoded]
     ) -> list[GenerationResult]:

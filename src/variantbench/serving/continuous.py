@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from variantbench.backends.engine import PromptPiece
+from variantbench.compute import on_compute
 from variantbench.errors import UserError
 from variantbench.serving.prefix_cache import PrefixCache
 from variantbench.serving.scheduler import Pending, StepPlan
@@ -105,6 +106,7 @@ class _Prefill:
 
 
 class ContinuousBatch:
+    @on_compute
     def __init__(
         self,
         decoder: Any,
@@ -172,6 +174,7 @@ class ContinuousBatch:
         self._taken += 1
         return _Prefill(key, list(prompt), max_new, cache, done=hit, priority=priority, seq=self._taken)
 
+    @on_compute
     def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
         """Take a request in; the next steps prefill its prompt in chunks beside the decode rows, and
         the step that completes it returns its first token."""
@@ -181,6 +184,7 @@ class ContinuousBatch:
         """The prompts still being prefilled (for ``scheduler.plan_prefill``)."""
         return [Pending(p.key, p.priority, len(p.prompt) - p.done, p.seq) for p in self.pending]
 
+    @on_compute
     @torch.inference_mode()
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone, and add it to the batch; returns (first token, finished already)."""
@@ -306,6 +310,7 @@ class ContinuousBatch:
             self._prefilled(p)
         return [int(t) for t in tokens[:rows]]
 
+    @on_compute
     @torch.inference_mode()
     def step(self, plan: StepPlan | None = None) -> list[tuple[Any, int, bool]]:
         """One step: a decode step for every active row, plus prompt tokens of the requests taken in
@@ -359,6 +364,7 @@ class ContinuousBatch:
                 self.pending.remove(p)
         return out
 
+    @on_compute
     def leave(self, key: Any) -> None:
         """Remove a request (finished, cancelled or disconnected): its row takes the last active row."""
         for p in self.pending:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from variantbench.compute import on_compute
 from variantbench.serving.continuous import NoRoom, check_join
 from variantbench.serving.scheduler import Pending, StepPlan
 
@@ -66,6 +67,7 @@ def _common(a: list[int], b: list[int], limit: int) -> int:
 
 
 class LlamaCppBatch:
+    @on_compute
     def __init__(
         self,
         llm: Any,
@@ -112,6 +114,7 @@ class LlamaCppBatch:
         self.prompt_tokens = {"computed": 0, "cached": 0}  # every prompt token taken in, by source
         self._taken = 0
 
+    @on_compute
     def close(self) -> None:
         self._batch.close()
         self._ctx.close()
@@ -195,6 +198,7 @@ class LlamaCppBatch:
         self.slots.append(seq)
         return seq
 
+    @on_compute
     def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
         """Take a request in; the next steps prefill its prompt beside the decode rows, and the step
         that completes it returns its first token."""
@@ -205,6 +209,7 @@ class LlamaCppBatch:
             Pending(s.key, s.priority, len(s.prompt) - s.done, s.order) for s in self.slots if s.prefilling
         ]
 
+    @on_compute
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone (in chunks of ``n_batch``); returns (first token, finished already)."""
         seq = self._take_in(key, prompt, max_new, 0)
@@ -267,6 +272,7 @@ class LlamaCppBatch:
             out.append((s.key, token, s.finished))
         return out
 
+    @on_compute
     def step(self, plan: StepPlan | None = None) -> list[tuple[Any, int, bool]]:
         """One step: a token for every decode row, plus prompt tokens of the requests taken in by
         ``begin``, as ``plan`` says (tokens per request, whether the rows decode or pause), or up
@@ -295,6 +301,7 @@ class LlamaCppBatch:
             return []
         return self._decode(rows, chunks)
 
+    @on_compute
     def leave(self, key: Any) -> None:
         """Remove a request (finished, cancelled or disconnected). A finished prompt's keys/values
         are retained for prefix reuse (``cache_seqs`` at most, least recently used out first)."""

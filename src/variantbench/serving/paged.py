@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from variantbench.compute import on_compute
 from variantbench.serving.continuous import NoRoom, batch_basics, check_join
 from variantbench.serving.kv_pool import BlockPool, PoolFull, block_size, runs
 from variantbench.serving.prefix_cache import PrefixCache
@@ -144,6 +145,7 @@ class _PoolBlocks:
 
 
 class PagedBatch:
+    @on_compute
     def __init__(
         self,
         decoder: Any,
@@ -202,6 +204,7 @@ class PagedBatch:
         """Positions whose keys/values the rows hold now."""
         return sum(r.length for r in self.rows)
 
+    @on_compute
     def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
         """Take a request in (its blocks reserved); the next steps prefill its prompt in chunks."""
         n = len(prompt)
@@ -240,6 +243,7 @@ class PagedBatch:
         self.rows.append(_Row(key, list(prompt), max_new, priority, self._taken, blocks,
                               len(borrowed) if share else 0, length=hit))  # fmt: skip
 
+    @on_compute
     @torch.inference_mode()
     def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone, and add it to the batch; returns (first token, finished already)."""
@@ -314,6 +318,7 @@ class PagedBatch:
     def _wrote(self, row: _Row, start: int, end: int) -> None:
         self.pool.written(row.blocks[start // self.block : math.ceil(end / self.block)])
 
+    @on_compute
     @torch.inference_mode()
     def step(self, plan: StepPlan | None = None) -> list[tuple[Any, int, bool]]:
         """One step: a decode step for every decoding row (unless ``plan`` pauses them), plus prompt
@@ -352,6 +357,7 @@ class PagedBatch:
                 out.append((row.key, row.first, row.done))
         return out
 
+    @on_compute
     def leave(self, key: Any) -> None:
         """Remove a request (finished, cancelled or disconnected): its blocks go back to the pool
         (those the prefix cache indexes stay, held by it)."""
@@ -361,6 +367,7 @@ class PagedBatch:
                 self.pool.release(row.blocks)
                 return
 
+    @on_compute
     def close(self) -> None:
         for row in self.rows:
             self.pool.release(row.blocks)
