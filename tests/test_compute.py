@@ -26,6 +26,15 @@ def test_calls_run_on_one_thread_raise_where_called_and_nest_inline() -> None:
     assert compute.call(lambda: compute.call(threading.get_ident)) == home
 
 
+def test_a_forked_child_gets_a_compute_thread_of_its_own() -> None:
+    import multiprocessing as mp
+
+    compute.compute_thread_id()  # started here first
+    with mp.get_context("fork").Pool(1) as pool:
+        # before: no thread served the inherited queue, and the call waited forever
+        assert pool.apply_async(compute.call, (sum, [1, 2, 3])).get(timeout=30) == 6
+
+
 def test_a_loaded_backend_and_its_serving_batch_compute_on_the_compute_thread(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 import functools
+import os
 import queue
 import threading
 from typing import Any, ParamSpec, TypeVar
@@ -58,6 +59,15 @@ def _queue() -> queue.SimpleQueue:
             thread.start()
             _work, _ident = work, thread.ident
         return _work
+
+
+def _forget() -> None:
+    """A forked child has no compute thread: it starts its own on first use."""
+    global _work, _ident, _lock
+    _work, _ident, _lock = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def on_compute_thread() -> bool:
