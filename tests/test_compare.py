@@ -23,10 +23,12 @@ def _run(out: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, slowd
     from variantbench.plan import Plan
 
     real = registry.make_backend
+    # one torch thread: the tiny model's ~1 ms steps on two threads varied 3x between queries
+    # (test_decision's docstring), and a planted 2x once measured 1.27x [1.06, 1.43] in CI
     monkeypatch.setattr(registry, "make_backend",
                         lambda spec, *a, **k: _Slowed(real(spec, *a, **k), slowdown, spec.name))  # fmt: skip
     execute(Plan.model_validate({
-        "out": str(out), "model": {"source": str(tiny_model_dir)}, "variants": ["fp32"],
+        "out": str(out), "model": {"source": str(tiny_model_dir), "threads": 1}, "variants": ["fp32"],
         "workload": {"input_lengths": "uniform:300-500", "max_new_tokens": 16},
         "load": {"scenario": "single-stream", "tasks": 12},
         "quality": {"fidelity": False}, "analysis": {"diagnose": False, "cold_start": False, "batch_rounds": 0},
