@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
+
+from variantbench.environment import cpu_summary
 
 ARM = r"""
 import json, os, statistics, sys, threading, time
@@ -79,18 +80,6 @@ print(json.dumps(out))
 """
 
 
-def cpu_flags() -> str:
-    import torch
-
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        flags = []
-    have = [f for f in wanted if f in flags]
-    return f"{len(os.sched_getaffinity(0))} cores, {' '.join(have) or 'no listed SIMD flags'}, torch {torch.backends.cpu.get_cpu_capability()}"
-
-
 def run_arm(arm: str, variant: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", ARM, arm, variant], capture_output=True, text=True, check=False
@@ -105,7 +94,7 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,smooth+int8:act=token")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    print(f"CPU: {cpu_flags()}")
+    print(cpu_summary())
     for variant in args.variants.split(","):
         runs: dict[str, list[dict]] = {"two": [], "one": []}
         for r in range(args.repeats):

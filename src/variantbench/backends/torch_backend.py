@@ -14,25 +14,27 @@ from variantbench.variants.spec import Artifact, VariantSpec, ensure_artifact
 
 # torch's thread count belongs to the process, and interleaved variants live side by side in one:
 # the count from before the first backend that set one comes back when the last of them closes.
-_threads_pins: list[int] = []  # [the count before, backends holding a pin]
+_threads_before: int | None = None
+_thread_pins = 0
 
 
 def _pin_threads(threads: int) -> None:
+    global _threads_before, _thread_pins
     import torch
 
-    if not _threads_pins:
-        _threads_pins.extend([torch.get_num_threads(), 0])
-    _threads_pins[1] += 1
+    if _thread_pins == 0:
+        _threads_before = torch.get_num_threads()
+    _thread_pins += 1
     torch.set_num_threads(threads)
 
 
 def _unpin_threads() -> None:
+    global _thread_pins
     import torch
 
-    _threads_pins[1] -= 1
-    if _threads_pins[1] == 0:
-        torch.set_num_threads(_threads_pins.pop(0))
-        _threads_pins.clear()
+    _thread_pins -= 1
+    if _thread_pins == 0 and _threads_before is not None:
+        torch.set_num_threads(_threads_before)
 
 
 class TorchBackend:
