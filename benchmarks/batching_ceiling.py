@@ -82,18 +82,18 @@ class Costs:
 
 def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_lengths: str = "fixed:64",
             prefix_cache_mb: float = 256.0, threads: int | None = None, seed: int = 0,
-            say=print) -> Costs:  # noqa: ANN001  # fmt: skip
+            say=print, model: str | None = None, device: str = "cpu") -> Costs:  # noqa: ANN001  # fmt: skip
     """P, T and s(r) on the variant's own continuous batch (the one ``variantbench serve`` runs, its
     prefix cache warmed on a few other prompts of the workload), in this process."""
     if not 1 <= requests <= max(ROWS):
         raise ValueError(f"requests must be within 1..{max(ROWS)}")
     threads = threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    base = str(prepare_model(parse_model(None), status=say))
+    base = str(prepare_model(parse_model(model), status=say))
     warm = 4
     library = build_synthetic(warm + requests + max(ROWS), seed,
                               lengths=parse_lengths(input_lengths), counter=tokenizer_counter(base))  # fmt: skip
-    backend = make_backend(VariantSpec.parse(variant), None, base, threads=threads)
+    backend = make_backend(VariantSpec.parse(variant), None, base, device=device, threads=threads)
     backend.load()
     try:
         reqs = [
@@ -104,9 +104,8 @@ def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_len
         batch = batch_for(backend, max(ROWS), 1024, prefix_cache_mb=prefix_cache_mb)
         if not hasattr(batch, "join"):
             raise SystemExit(f"{variant}: its serving batch cannot prefill alone; use a torch variant")
-        say(
-            f"{variant}, {threads} threads, prompts {input_lengths} tokens (chat), max_tokens {output_tokens}"
-        )
+        say(f"{variant} on {device}, {threads} threads, prompts {input_lengths} tokens (chat), "
+            f"max_tokens {output_tokens}")  # fmt: skip
 
         # P: prefill alone, the prefix cache warmed on prompts of the same workload
         for i in range(warm):
@@ -172,13 +171,16 @@ def main() -> None:
     ap.add_argument("--input-lengths", default="fixed:64", help="synthetic prompt tokens")
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0, help="as the server's (0: off)")
     ap.add_argument("--threads", type=int, default=None, help="default: all cores")
+    ap.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: the bundled model)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ratio", type=float, default=3.0, help="goodput ratio target of (b) over (a)")
     args = ap.parse_args()
     if not 1 <= args.requests <= max(ROWS):
         ap.error(f"--requests must be within 1..{max(ROWS)}")
     costs = measure(args.variant, args.requests, args.output_tokens, args.input_lengths, args.prefix_cache_mb,
-                    args.threads, args.seed, say=lambda m: print(m, flush=True))  # fmt: skip
+                    args.threads, args.seed, say=lambda m: print(m, flush=True), model=args.model,
+                    device=args.device)  # fmt: skip
     target, longest = args.p99_target_s, args.output_tokens
     p_s, answer, steps = costs.prefill_s, costs.answer, costs.steps
     one, one_at = costs.capacity(1), costs.at_target(1, target, longest)

@@ -39,6 +39,13 @@ last of them finish ~4 s later, so done/s was 0.86 of the rate offered (fp32, 2 
 Target of issue 21: (b) at least 85% of its ceiling, and (b)/(a) at least 3x wherever the ceilings'
 ratio is at least 3.5x.
 
+On a GPU: ``--model DIR --device cuda`` (with ``--p99-target-s`` scaled to the device). Issue 21's
+first run of the CUDA path, an H200 with 16 cores, the default model's architecture with random
+weights (its answers run to max_tokens), target 2 s: prefill 21-25 ms, decode step 12-13 ms at 1
+row, 17 at 8, 61-66 at 32 (launch-bound: the engine issues a few kernels per layer and one
+attention call per row and layer); (a) failed at 1.0 req/s (p99 8.6 s, ceiling 1.14-1.26), (b)
+passed 3.0 (p99 1.94 s) and failed 3.5: 48% of its 6.27 ceiling, and at least 3x (a).
+
 Also printed: the per-request overhead of our HTTP stack (starlette on uvicorn), as
 (client end-to-end time of a 1-token request) - (the server's own queue wait + compute for it, from
 its /metrics), and the round trip of GET /health beside the bare-ASGI no-op server's.
@@ -52,6 +59,7 @@ import importlib.util
 import json
 import math
 import os
+from pathlib import Path
 import re
 import statistics
 import sys
@@ -244,10 +252,17 @@ def main() -> None:
     ap.add_argument("--variant", default="fp32", help="the torch variant of (a) and (b)")
     ap.add_argument("--prefix-cache-mb", type=float, default=256.0, help="our server's prefix cache (0: off)")
     ap.add_argument("--ceiling-requests", type=int, default=30, help="prompts timed for the batching ceiling")
+    ap.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: the bundled GGUF)")
+    ap.add_argument("--device", default="cpu", help="(a) and (b), and their ceilings: cpu or cuda[:N]")
     args = ap.parse_args()
 
-    base = str(prepare_model(parse_model(None), status=print))
-    gguf = default_gguf(print, cache_root())
+    base = str(prepare_model(parse_model(args.model), status=print))
+    wanted = args.systems.split(",")
+    gguf = None  # (c) and (d) run a GGUF through llama.cpp: the bundled one, or --model's when it is one
+    if args.model is None and {"c", "d"} & set(wanted):
+        gguf = default_gguf(print, cache_root())
+    elif args.model and args.model.endswith(".gguf"):
+        gguf = Path(args.model)
     threads = args.threads or len(os.sched_getaffinity(0))
     counter, built = tokenizer_counter(base), {}
 
@@ -259,35 +274,40 @@ def main() -> None:
         return built[key]
 
     vb = [sys.executable, "-m", "variantbench", "serve", "--max-len", "1024", "--threads", str(threads),
-          "--prefix-cache-mb", f"{args.prefix_cache_mb:g}"]  # fmt: skip
+          "--prefix-cache-mb", f"{args.prefix_cache_mb:g}", *(["--model", args.model] if args.model else [])]  # fmt: skip
+    torch_vb = [*vb, "--device", args.device]
+    gguf_name = gguf.name if gguf else "no GGUF"
     systems = {
         "a": System("a", f"our server, batching off ({args.variant}, batch 1)",
-                    [*vb, "--variants", args.variant, "--max-batch-size", "1"], args.variant),
-        "b": System("b", f"our server, continuous batching ({args.variant}, up to 32)", [*vb, "--variants", args.variant],
-                    args.variant),
-        "c": System("c", f"llama_cpp.server on {gguf.name} (one at a time)",
+                    [*torch_vb, "--variants", args.variant, "--max-batch-size", "1"], args.variant),
+        "b": System("b", f"our server, continuous batching ({args.variant}, up to 32)",
+                    [*torch_vb, "--variants", args.variant], args.variant),
+        "c": System("c", f"llama_cpp.server on {gguf_name} (one at a time)",
                     [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
                      "--n_threads", str(threads), "--verbose", "false", "--host", "127.0.0.1",
                      # its default aborts the running request whenever a new one arrives
-                     "--interrupt_requests", "false"], gguf.stem),
-        "d": System("d", f"our server on {gguf.name} via llama.cpp (batched, up to 32)", [*vb, "--variants", "gguf-q4_1"], "gguf-q4_1"),
+                     "--interrupt_requests", "false"], gguf.stem if gguf else "none"),
+        "d": System("d", f"our server on {gguf_name} via llama.cpp (batched, up to 32)", [*vb, "--variants", "gguf-q4_1"], "gguf-q4_1"),
     }  # fmt: skip
-    chosen = [systems[k] for k in args.systems.split(",")]
+    chosen = [systems[k] for k in wanted]
     ceilings: dict[str, float] = {}
     if any(s.label in ("a", "b") for s in chosen):
         # the queue-free ceilings of (a) and (b), from this machine's costs measured now (no server runs)
         print("measuring the batching ceiling (benchmarks/batching_ceiling.py) first:", flush=True)
         costs = batching_ceiling.measure(args.variant, args.ceiling_requests, args.output_tokens, args.input_lengths,
-                                         args.prefix_cache_mb, threads, args.seed, say=lambda m: print("  " + m, flush=True))  # fmt: skip
+                                         args.prefix_cache_mb, threads, args.seed, say=lambda m: print("  " + m, flush=True),
+                                         model=args.model, device=args.device)  # fmt: skip
         ceilings["a"], ceilings["b"] = costs.ceilings(args.p99_target_s, args.output_tokens)
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     server_extra = have_llama and importlib.util.find_spec("fastapi") is not None
     overhead: dict[str, float] | None = None
     health: dict[str, float] = {}
     print(f"P99 target {args.p99_target_s:g} s, {args.queries} requests per rate, prompts {args.input_lengths} "
-          f"tokens (chat), max_tokens {args.output_tokens}, {threads} threads per server", flush=True)  # fmt: skip
+          f"tokens (chat), max_tokens {args.output_tokens}, {threads} threads per server, (a)/(b) on {args.device}", flush=True)  # fmt: skip
     for s in chosen:
-        if s.label in ("c", "d") and not have_llama:
+        if s.label in ("c", "d") and gguf is None:
+            s.skipped = f"--model {args.model} is not a GGUF file"
+        elif s.label in ("c", "d") and not have_llama:
             s.skipped = "llama-cpp-python is not installed (the llamacpp extra)"
         elif s.label == "c" and not server_extra:
             s.skipped = "llama_cpp.server needs llama-cpp-python[server] (fastapi, sse-starlette, ...)"
@@ -305,6 +325,7 @@ def main() -> None:
                 s.cached_share = prefix_share(srv.url, s.model)
             if s.label == "b":
                 overhead = stack_overhead(srv.url, s.model)
+            if s.label in ("b", "d") and "ours" not in health:  # the same HTTP stack either way
                 health["ours"] = health_rtt_ms(srv.url)
     with ProcessServer() as noop:
         health["noop"] = health_rtt_ms(noop.url)

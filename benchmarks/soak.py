@@ -94,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--interactive-rate", type=float, default=0.25)
-    ap.add_argument("--batch-rate", type=float, default=0.08)
+    ap.add_argument("--batch-rate", type=float, default=0.16)
     ap.add_argument("--interactive-lengths", default="uniform:32-128")
     ap.add_argument("--batch-lengths", default="uniform:512-2048")
     ap.add_argument("--interactive-tokens", type=int, default=32)
