@@ -1,6 +1,6 @@
 """Soak: the mixed workload of ``priority.py`` held for half an hour; errors, memory growth, drift.
 
-    python benchmarks/soak.py [--minutes 30] [--interactive-rate 0.25] [--batch-rate 0.08]
+    python benchmarks/soak.py [--minutes 30] [--interactive-rate 0.25] [--batch-rate 0.16]
                               [--variant smooth+int8:act=token] [--window-min 5] [--seed 0]
                               [--schedule repeat|poisson]
 
@@ -15,12 +15,19 @@ this): at batch 0.12/s it was 92% busy, the batch backlog came and went and the 
 latency moved 6.9-19 s, so the default is 0.08/s: 68% busy, 576 requests, 0 errors, RSS -1.7% from
 minute 5, window means 4.1-8.2 s (one Poisson draw). With the same draw in every window (AVX-512
 host): 516 requests, 0 errors, 76% busy, RSS -3.1% from minute 5, window means 5.9-7.4 s, -9% to
-+15% of their mean with no trend: host noise at this load, still outside the rule. Every 10 s the server's resident memory (psutil, the
-process and its children) is sampled.
++15% of their mean with no trend: host noise at this load, still outside the rule. Once torch work
+ran on one compute thread the server needed more load for the same busy share, so the default is
+0.16/s (session of 2026-12-04, AVX-512 host): 600 requests, 0 errors, 59% busy, RSS +0.8% from
+minute 5, interactive TTFT p99 320-397 ms in every window, window means 3.17-3.93 s (-13.6% to
++7.3% of their mean; trend +3.6% a window, p = 0.22): the harness's rule holds for its last three
+windows (3.70, 3.92, 3.93 s), not for all five. Every 10 s the server's resident memory (psutil,
+the process and its children) is sampled.
 
 Goals (issue 21): zero errors; RSS growth under 5% from minute 5 to the end; per-window latency
-stable by the harness's rule (``metrics.windows.stable``: every window's mean latency within 10%
-of their mean), windows of ``--window-min`` minutes from minute 5 on, each window's p99 printed.
+stable by the harness's rule (``metrics.windows.stable``: the last three windows' mean latencies
+within 10% of their mean), windows of ``--window-min`` minutes from minute 5 on, each window's p99
+printed. The same rule is also applied to every window (drift anywhere in the run), and the
+means' linear trend is tested (``scipy.stats.linregress``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from priority import (  # this folder's: the same client and streams
     rss_mb,
     schedule,
 )
+from scipy.stats import linregress
 
 from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
@@ -180,11 +188,22 @@ def main() -> None:
         print(f"| {start / 60:g}-{(start + width) / 60:g} | {percentile(it, 0.99) * 1e3:.0f} | "
               f"{percentile(il, 0.99):.2f} | {percentile(bl, 0.99):.2f} | {mean or math.nan:.2f} |")  # fmt: skip
         start += width
-    steady = stable(ws, last=len(ws)) if len(ws) >= 3 else None
-    print(f"\nwindows stable by the harness's rule (every mean within 10% of their mean): "
-          f"{'n/a (fewer than 3 windows)' if steady is None else steady}")  # fmt: skip
-    ok = not errors and growth < 0.05 and steady is not False
-    print(f"goal: zero errors, RSS growth < 5%, stable windows: {'met' if ok else 'NOT met'}")
+    # The harness's rule judges its last three windows (a run's steady state); a soak looks for drift
+    # anywhere, so every window is held to it too, and the means' linear trend is tested (scipy).
+    harness = stable(ws, last=3)
+    every = stable(ws, last=len(ws)) if len(ws) >= 3 else None
+    means = [w.mean_latency_ms for w in ws if w.mean_latency_ms is not None]
+    if len(means) >= 3:
+        centre = statistics.fmean(means)
+        fit = linregress(range(len(means)), means)
+        print(f"\nwindow means {min(means) / centre - 1:+.1%} to {max(means) / centre - 1:+.1%} of their mean; "
+              f"linear trend {fit.slope / centre:+.1%} of it per window (p = {fit.pvalue:.2f})")  # fmt: skip
+    print(f"windows stable by the harness's rule (its last three within 10% of their mean): "
+          f"{'n/a (fewer than 3 windows)' if harness is None else harness}; every window: "
+          f"{'n/a' if every is None else every}")  # fmt: skip
+    print(f"goal: zero errors: {'met' if not errors else 'NOT met'}; RSS growth < 5%: "
+          f"{'met' if growth < 0.05 else 'NOT met'}; stable windows by the harness's rule: "
+          f"{'met' if harness else 'NOT met'}, and every window: {'met' if every else 'NOT met'}")  # fmt: skip
 
 
 if __name__ == "__main__":
