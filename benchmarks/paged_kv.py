@@ -9,10 +9,11 @@ run (``--kv-cache paged`` and ``contiguous``), each sized for ``--max-batch`` ro
   speed    decode steps with the same rows in both (equal lengths, and one long row among short
            ones), in alternating bursts of ``--steps`` steps, ``--repeats`` bursts each: tokens/s,
            paged / contiguous per burst pair (median, min-max);
-  idle     the process's RSS after creating each batch (the weights in the layout ``serve`` keeps),
+  idle     the process's RSS once ``serve``'s own ``serve_model`` has put the variant behind an
+           executor with each batch (weights in the layout ``serve`` keeps, the warm-up steps run),
            against the weights' bytes, whole and less the runtime's RSS: the same process before
-           any weight is loaded, with the tokenizer loaded and the model's classes imported
-           (``runtime_rss``; itself more than 1.5x an int8 variant's weights);
+           any weight is loaded, with the server's modules and the tokenizer loaded and the model's
+           classes imported (``runtime_rss``; itself more than 1.5x an int8 variant's weights);
   load     requests of 64-2,048 tokens joining and leaving at random for ``--load-steps`` steps:
            the paged pool's committed bytes against live tokens x bytes per token, sampled every
            step (goal: within 10%), and the RSS it ends at.
@@ -38,6 +39,7 @@ from variantbench.backends.registry import make_backend
 from variantbench.environment import cpu_summary
 from variantbench.models import parse_model, prepare_model
 from variantbench.serving.continuous import ContinuousBatch
+from variantbench.serving.host import ServeOptions, serve_model
 from variantbench.serving.paged import PagedBatch
 from variantbench.variants.spec import VariantSpec
 
@@ -49,8 +51,12 @@ def rss() -> int:
 def runtime_rss(model_dir: str) -> int:
     """RSS with everything a load brings except the weights: the interpreter, torch, our modules,
     and what loading the tokenizer and the model's classes imports (transformers pulls in
-    accelerate, sympy and torch.distributed there: ~75 MiB). The model is built on the meta device."""
+    accelerate, sympy and torch.distributed there: ~75 MiB), and the server's own modules (the
+    app, uvicorn). The model is built on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import uvicorn  # noqa: F401
+
+    import variantbench.serving.app  # noqa: F401
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -108,24 +114,35 @@ def main() -> None:
           f"{runtime / 2**20:.0f} MiB, loaded {loaded / 2**20:.0f} MiB, served layout {args.weight_layout!r} "
           f"{before / 2**20:.0f} MiB ({freed / 2**20:.0f} MiB of weight copies freed)")  # fmt: skip
 
-    # idle: each batch alone in the process
-    kinds = {"paged": PagedBatch, "contiguous": ContinuousBatch}
+    # idle: each batch alone in the process, put behind an executor as ``serve`` does (warm-up
+    # included: its multi-row steps make the vocabulary head's packed copy, see ``_DenseT``)
     idle = {}
-    for name, kind in kinds.items() if "idle" in parts else ():
+    for name in ("paged", "contiguous") if "idle" in parts else ():
         gc.collect()
         r0 = rss()
-        batch = kind(dec, max_batch=args.max_batch, max_len=args.max_len, prefix_cache_mb=0)
-        idle[name] = rss()
-        print(f"idle {name}: RSS {idle[name] / 2**20:.0f} MiB (+{(idle[name] - r0) / 2**20:.0f} MiB for the batch), "
-              f"{idle[name] / weights:.2f}x the weights; less the runtime's {runtime / 2**20:.0f} MiB: "
-              f"{(idle[name] - runtime) / weights:.2f}x (goal: 1.5x)")  # fmt: skip
-        del batch
+        options = ServeOptions(max_batch_size=args.max_batch, max_len=args.max_len, kv_cache=name,
+                               weight_layout=args.weight_layout)  # fmt: skip
+        served = serve_model(args.variant, backend, options)
         gc.collect()
+        idle[name] = rss()
+        print(f"idle {name}: RSS {idle[name] / 2**20:.0f} MiB (+{(idle[name] - r0) / 2**20:.0f} MiB for the batch "
+              f"and the warm-up; {served.worker.batch.describe()}), {idle[name] / weights:.2f}x the weights; "
+              f"less the runtime's {runtime / 2**20:.0f} MiB: {(idle[name] - runtime) / weights:.2f}x (goal: 1.5x)")  # fmt: skip
+        if isinstance(served.worker.batch, PagedBatch):
+            served.worker.batch.close()  # its prefix cache's blocks back to the pool
+        del served
+        gc.collect()
+    if idle:
+        head = dec.lm_head  # a _DenseT for fp32 weights
+        both = getattr(head, "packed", None) is not None and getattr(head, "weight", None) is not None
+        extra = head.weight.numel() * head.weight.element_size() if both else 0
+        print(f"of which the vocabulary head's second layout: {extra / 2**20:.0f} MiB ({extra / weights:.2f}x the weights; "
+              f"tied embeddings are looked up in its plain copy, decode steps of 2+ rows run on the packed one)")  # fmt: skip
 
     if "speed" in parts:
         # speed: both batches alive, in turns
         batches = {name: kind(dec, max_batch=args.max_batch, max_len=args.max_len, prefix_cache_mb=0)
-                   for name, kind in kinds.items()}  # fmt: skip
+                   for name, kind in (("paged", PagedBatch), ("contiguous", ContinuousBatch))}  # fmt: skip
         shapes = {"8 rows x 256": [256] * 8, "8 rows x 1024": [1024] * 8, "16 rows x 512": [512] * 16,
                   "1 x 2000 + 7 x 150": [2000] + [150] * 7, "1 row x 1024": [1024]}  # fmt: skip
         print("\n| rows | paged tokens/s | contiguous tokens/s | paged / contiguous (min-max) |")
