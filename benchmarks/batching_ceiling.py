@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from variantbench.backends.base import GenerationRequest
+from variantbench.backends.base import GenerationRequest, encode_request
 from variantbench.backends.registry import make_backend
 from variantbench.models import parse_model, prepare_model
 from variantbench.serving.batching import batch_for
@@ -100,7 +100,7 @@ def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_len
             GenerationRequest(s.sample_id, s.prompt, messages=s.messages, max_new_tokens=output_tokens)
             for s in library.samples
         ]
-        prompts = [backend.encode(r) for r in reqs]
+        prompts = [encode_request(backend.tokenizer, r) for r in reqs]  # a torch or a llama.cpp variant
         batch = batch_for(backend, max(ROWS), 1024, prefix_cache_mb=prefix_cache_mb)
         if not hasattr(batch, "join"):
             raise SystemExit(f"{variant}: its serving batch cannot prefill alone; use a torch variant")

@@ -27,9 +27,12 @@ and (d) reuses only what real traffic shares: the chat template and a task's ins
 of prompt tokens it served is printed; ``--prefix-cache-mb 0`` turns it off. (c) reuses its previous
 prompt's prefix (llama-cpp-python's own), which it does not count.
 
-Beside each of (a) and (b): its queue-free ceiling at the P99 target, from the costs
+Beside each system: its queue-free ceiling at the P99 target, from the costs
 ``benchmarks/batching_ceiling.py`` measures (prefill alone, answer length, decode steps at 1-32
-rows), measured in this run before any server starts, and the share of it the server reached.
+rows), measured in this run before any server starts, and the share of it the server reached:
+(a) and (b) from the torch variant's batch at 1 row and at its best row count, (c) and (d) from our
+llama.cpp batch on the same GGUF the same way ((c) is llama.cpp's own server, so its figure is
+an estimate from the same library at one row). The ceilings' ratio says how much batching can pay.
 The ceiling is a sustained arrival rate (``batching_ceiling.Costs.at_target``: requests arriving at
 that rate forever, each within the target), so the share is given first for the arrivals'
 realized rate at the best passing point (the rate the server sustained within the target; MLPerf's
@@ -286,7 +289,9 @@ def main() -> None:
                     [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx", "2048",
                      "--n_threads", str(threads), "--verbose", "false", "--host", "127.0.0.1",
                      # its default aborts the running request whenever a new one arrives
-                     "--interrupt_requests", "false"], gguf.stem if gguf else "none"),
+                     "--interrupt_requests", "false",
+                     # as our llama.cpp backend and llama.cpp's own default (-fa auto): same settings
+                     "--flash_attn", "true"], gguf.stem if gguf else "none"),
         "d": System("d", f"our server on {gguf_name} via llama.cpp (batched, up to 32)", [*vb, "--variants", "gguf-q4_1"], "gguf-q4_1"),
     }  # fmt: skip
     chosen = [systems[k] for k in wanted]
@@ -299,6 +304,12 @@ def main() -> None:
                                          model=args.model, device=args.device)  # fmt: skip
         ceilings["a"], ceilings["b"] = costs.ceilings(args.p99_target_s, args.output_tokens)
     have_llama = importlib.util.find_spec("llama_cpp") is not None
+    if gguf is not None and have_llama and any(s.label in ("c", "d") for s in chosen):
+        print("measuring the batching ceiling of the same GGUF through llama.cpp:", flush=True)
+        costs = batching_ceiling.measure("gguf-q4_1", args.ceiling_requests, args.output_tokens, args.input_lengths,
+                                         args.prefix_cache_mb, threads, args.seed, say=lambda m: print("  " + m, flush=True),
+                                         model=args.model)  # fmt: skip
+        ceilings["c"], ceilings["d"] = costs.ceilings(args.p99_target_s, args.output_tokens)
     server_extra = have_llama and importlib.util.find_spec("fastapi") is not None
     overhead: dict[str, float] | None = None
     health: dict[str, float] = {}
@@ -364,7 +375,9 @@ def main() -> None:
     ceiling_ratio = f"{ceilings['b'] / ceilings['a']:.2f}x" if ceilings.get("a") else "n/a"
     print(f"batching on / off, torch {args.variant}   (b)/(a): {ratio('b', 'a')}   (ceilings' ratio {ceiling_ratio}; "
           "target: (b) at least 85% of its ceiling, and (b)/(a) at least 3x where the ceilings' ratio is 3.5x or more)")  # fmt: skip
-    print(f"our batched server / llama.cpp's server, same GGUF   (d)/(c): {ratio('d', 'c')}")
+    llama_ratio = f"{ceilings['d'] / ceilings['c']:.2f}x" if ceilings.get("c") else "n/a"
+    print(f"our batched server / llama.cpp's server, same GGUF   (d)/(c): {ratio('d', 'c')}   (ceilings' ratio "
+          f"{llama_ratio}: what batching can pay on llama.cpp here; target: (d) at least matches (c))")  # fmt: skip
     print(f"engine: llama.cpp Q4_1 / torch {args.variant}, both batched   (d)/(b): {ratio('d', 'b')}")
     for s in chosen:
         if s.cached_share is not None:

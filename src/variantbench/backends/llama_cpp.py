@@ -77,6 +77,10 @@ class LlamaCppBackend:
             n_threads=self._threads(),
             n_threads_batch=self._threads(),
             logits_all=logits_all,
+            # llama.cpp's own default since 2025 (``-fa auto``), off in llama-cpp-python's wrapper:
+            # prompt processing of the default GGUF ~15% faster on 2 AVX-512 cores, and the serving
+            # batch (which copies these settings) needs it, see ``serving/llama_cpp_batch.py``
+            flash_attn=True,
             verbose=False,
         )
 

@@ -21,6 +21,15 @@ all together at most ``kv_tokens``; a request is admitted only when the tokens i
 (prompt + max_new) fit beside the running requests' reservations once retained sequences have given
 way, else ``NoRoom``. Greedy decoding (argmax of the logits), as everywhere else. Not thread-safe:
 one executor owns it.
+
+Flash attention is on. In the unified cache every row's attention spans every occupied cell, its
+own under the mask and every other sequence's masked out: without flash attention that is computed
+in full, so a step's attention grows with rows x all live tokens. With it, llama.cpp's CPU kernel
+skips masked cells. Measured on the default GGUF (Q4_1), 2 AVX-512 cores, rows of ~170 positions:
+decode steps of 8 / 16 / 32 rows took 57.8 / 125.8 / 319.6 ms without, 36.3 / 69.3 / 143.1 ms with
+(one row 8.9 against 7.0 ms), and 64-token chat prompts prefilled ~15% faster. Split (per-sequence)
+caches instead (``kv_unified`` off) took 61.5 / 127.7 / 216.8 ms and cannot share a running
+request's prefix cells (llama.cpp copies only whole streams between sequences).
 """
 
 from __future__ import annotations
@@ -98,6 +107,7 @@ class LlamaCppBatch:
         params.n_ubatch = self.n_batch
         params.n_seq_max = max_batch + self.cache_seqs
         params.kv_unified = True
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # see the module's doc
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
@@ -127,6 +137,11 @@ class LlamaCppBatch:
 
     def keys(self) -> list[Any]:
         return [s.key for s in self.slots]
+
+    @property
+    def live_tokens(self) -> int:
+        """Positions whose keys/values the running requests hold (retained prompts not counted)."""
+        return sum(len(s.fed()) for s in self.slots)
 
     def describe(self) -> str:
         return f"llama.cpp KV cache of {self.kv_tokens} tokens, up to {self.cache_seqs} finished prompts kept"
