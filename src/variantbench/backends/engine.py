@@ -36,8 +36,10 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 # Inductor lowers this op only for weights it froze as graph constants; ours live outside any
 # module, so a compiled step (the ``compile`` variant) ran into an AssertionError at load on its
-# first multi-row call. It runs the op eagerly instead, a graph break per projection.
-_packed_linear_eager = torch.compiler.disable(_packed_linear)
+# first multi-row call. It runs the op eagerly instead, a graph break per projection. Made by
+# ``compile_decode_step``, not at import: ``torch.compiler.disable`` imports torch._dynamo and
+# sympy, 76 MiB of RSS in every process that imports this module (a llama.cpp server among them).
+_packed_linear_eager: Callable[..., torch.Tensor] = _packed_linear
 
 
 class _DenseT:
@@ -619,6 +621,8 @@ class LlamaDecoder:
         """
         import torch._dynamo
 
+        global _packed_linear_eager
+        _packed_linear_eager = torch.compiler.disable(_packed_linear)
         if self.has_linear_attention:
             raise ValueError(
                 "compile: linear-attention layers are not compiled yet (drop compile from the chain)"
