@@ -187,11 +187,16 @@ def mixed_streams(
     return i_times, b_times, interactive, batch
 
 
-def busy_seconds(url: str, model: str) -> float:
+def scraped(url: str, name: str, model: str) -> float:
+    """One of a model's series in the server's /metrics (0 when absent)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(rf'^variantbench_busy_seconds_total{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
+    m = re.search(rf'^{re.escape(name)}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def busy_seconds(url: str, model: str) -> float:
+    return scraped(url, "variantbench_busy_seconds_total", model)
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, out: Outcome, t0: float) -> None:

@@ -426,12 +426,16 @@ def test_metrics_report_first_token_objectives_per_priority_level(backends) -> N
         assert shed.status_code == 503 and int(shed.headers["retry-after"]) >= 1
         assert "first-token objective" in shed.json()["error"]["message"]
         text = httpx.get(srv.url + "/metrics").text
+        pool = srv.models["fp32"].worker.batch.pool
 
     def value(line: str) -> float:
         found = [x for x in text.splitlines() if x.startswith(line + " ")]
         assert found, line
         return float(found[0].split()[-1])
 
+    # the KV memory held now: the paged pool's written blocks (the prefix cache keeps the prompts')
+    assert value('variantbench_kv_resident_bytes{model="fp32"}') == pool.committed_bytes > 0
+    assert value("process_resident_memory_bytes") > pool.committed_bytes
     assert value('variantbench_ttft_slo_requests_total{model="fp32",outcome="met",priority="0"}') == 2
     assert value('variantbench_ttft_slo_attainment{model="fp32",priority="0"}') == 1.0
     assert value('variantbench_ttft_slo_requests_total{model="fp32",outcome="rejected",priority="1"}') == 1

@@ -32,6 +32,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from starlette.applications import Starlette
@@ -40,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from variantbench.backends.base import GenerationRequest, encode_request
+from variantbench.serving.batching import KvMemory
 from variantbench.serving.scheduler import Rejected
 from variantbench.serving.worker import BatchWorker
 
@@ -106,6 +108,10 @@ class Metrics:
                                 ["model", "endpoint", "status"], registry=r)  # fmt: skip
         self.queue_depth = Gauge("variantbench_queue_depth", "Requests waiting", ["model"], registry=r)
         self.running = Gauge("variantbench_running_requests", "Requests in the batch", ["model"], registry=r)
+        self.kv_bytes = Gauge("variantbench_kv_resident_bytes", "Keys/values the batch holds resident now (a "
+                              "paged pool: its written blocks; a contiguous cache: all of it)", ["model"],
+                              registry=r)  # fmt: skip
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
         self.prompt_tokens = Counter("variantbench_prompt_tokens", "Prompt tokens taken in, by where their "
                                      "keys/values came from (computed, or copied from the prefix cache)",
                                      ["model", "source"], registry=r)  # fmt: skip
@@ -157,6 +163,8 @@ class Metrics:
         w = model.worker
         self.queue_depth.labels(model.name).set_function(w.queue_depth)
         self.running.labels(model.name).set_function(lambda: w.batch.active)
+        if isinstance(w.batch, KvMemory):
+            self.kv_bytes.labels(model.name).set_function(lambda: w.batch.kv_resident_bytes)
         sizes, steps = self.batch_size.labels(model.name), self.step.labels(model.name)
         busy = self.busy.labels(model.name)
 

@@ -67,6 +67,15 @@ class ChunkedPrefill(Protocol):
         ...
 
 
+@runtime_checkable
+class KvMemory(Protocol):
+    """A batch that can say how much of its key/value memory is resident now (``/metrics`` exports
+    it, so RSS that follows the live tokens can be told from RSS that grows)."""
+
+    @property
+    def kv_resident_bytes(self) -> int: ...
+
+
 KV_CACHES = ("paged", "contiguous")
 
 

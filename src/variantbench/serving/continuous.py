@@ -144,6 +144,11 @@ class ContinuousBatch:
     def keys(self) -> list[Any]:
         return [s.key for s in self.slots] + [p.key for p in self.pending]
 
+    @property
+    def kv_resident_bytes(self) -> int:
+        """The contiguous cache is written whole at start (``torch.zeros``), plus the prefix cache's copies."""
+        return self.storage.numel() * self.storage.element_size() + self.prefix.nbytes
+
     def describe(self) -> str:
         kv = f"KV cache {self.storage.numel() * self.storage.element_size() / 1e9:.2f} GB"
         if self.prefix is not None and self.prefix.enabled:

@@ -200,6 +200,11 @@ class PagedBatch:
         return prompt_len + max_new <= self.max_len
 
     @property
+    def kv_resident_bytes(self) -> int:
+        """The pool's written blocks not handed back: rows' and the prefix cache's keys/values."""
+        return self.pool.committed_bytes
+
+    @property
     def live_tokens(self) -> int:
         """Positions whose keys/values the rows hold now."""
         return sum(r.length for r in self.rows)
