@@ -2,8 +2,9 @@
 
     python benchmarks/paged_kv.py [--variant fp32] [--repeats 8] [--steps 8] [--max-batch 32]
                                   [--max-len 2304] [--threads N] [--weight-layout packed]
+                                  [--model DIR] [--idle-caches paged,contiguous]
 
-In one process, on one loaded variant of the default model, both batches ``variantbench serve`` can
+In one process, on one loaded variant of the default model (or ``--model``'s), both batches ``variantbench serve`` can
 run (``--kv-cache paged`` and ``contiguous``), each sized for ``--max-batch`` rows of ``--max-len``:
 
   speed    decode steps with the same rows in both (equal lengths, and one long row among short
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default="idle,speed,load", help="which measurements, comma-separated")
+    ap.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: the bundled model)")
+    ap.add_argument("--idle-caches", default="paged,contiguous",
+                    help="the batches whose idle RSS is measured (a contiguous cache is written whole)")  # fmt: skip
     ap.add_argument(
         "--weight-layout",
         default="packed",
@@ -96,7 +100,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     torch.set_num_threads(threads)
     print(cpu_summary())
-    base = str(prepare_model(parse_model(None), status=print))
+    base = str(prepare_model(parse_model(args.model), status=print))
     backend = make_backend(VariantSpec.parse(args.variant), None, base, threads=threads)
     runtime = runtime_rss(base)
     weights = backend.load().param_bytes
@@ -117,7 +121,7 @@ def main() -> None:
     # idle: each batch alone in the process, put behind an executor as ``serve`` does (warm-up
     # included: its multi-row steps make the vocabulary head's packed copy, see ``_DenseT``)
     idle = {}
-    for name in ("paged", "contiguous") if "idle" in parts else ():
+    for name in args.idle_caches.split(",") if "idle" in parts else ():
         gc.collect()
         r0 = rss()
         options = ServeOptions(max_batch_size=args.max_batch, max_len=args.max_len, kv_cache=name,

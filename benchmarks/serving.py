@@ -49,6 +49,10 @@ row, 17 at 8, 61-66 at 32 (launch-bound: the engine issues a few kernels per lay
 attention call per row and layer); (a) failed at 1.0 req/s (p99 8.6 s, ceiling 1.14-1.26), (b)
 passed 3.0 (p99 1.94 s) and failed 3.5: 48% of its 6.27 ceiling, and at least 3x (a).
 
+Each point also prints the CPU the server (process and children) and this process (the load
+generator, on the same cores) used per wall second: the ceilings are measured with no client
+beside the model, so the client's share is compute a server here cannot have.
+
 Also printed: the per-request overhead of our HTTP stack (starlette on uvicorn), as
 (client end-to-end time of a 1-token request) - (the server's own queue wait + compute for it, from
 its /metrics), and the round trip of GET /health beside the bare-ASGI no-op server's.
@@ -70,6 +74,7 @@ import time
 import urllib.request
 
 import batching_ceiling  # this folder's: the same measurements, made in this run
+import psutil
 
 from variantbench.backends.openai_http import OpenAIBackend
 from variantbench.loadgen.harness import LoadSettings, run_scenario
@@ -93,6 +98,8 @@ class Point:
     passed: bool
     first_error: str | None = None
     scheduled_qps: float = 0.0  # the arrivals' realized rate: (n - 1) / (last scheduled - first)
+    server_cores: float = math.nan  # the server's CPU seconds (process and children) per wall second
+    client_cores: float = math.nan  # this process's (the load generator's) on the same cores
 
 
 @dataclass
@@ -112,14 +119,32 @@ class System:
         return max(good, key=lambda p: p.achieved_qps) if good else None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (psutil)."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def measure(url: str, model: str, library, rate: float, queries: int, tokens: int, target_s: float,  # noqa: ANN001
-            seed: int) -> Point:  # fmt: skip
+            seed: int, pid: int | None = None) -> Point:  # fmt: skip
     backend = OpenAIBackend(url, model=model, api="chat", timeout_s=max(120.0, 10 * target_s))
     backend.load()
     settings = LoadSettings(scenario="server", rate_qps=rate, min_queries=queries, max_queries=queries, warmup=2,
                             max_new_tokens=tokens, schedule_seed=seed, sample_seed=seed, drain_timeout_s=600,
                             run_id=f"{model}@{rate:g}")  # fmt: skip
+    # the client shares the server's cores on one machine: what each used is printed beside the point
+    cpu0, mine0, wall0 = cpu_seconds(pid) if pid else math.nan, time.process_time(), time.perf_counter()
     run = run_scenario(backend, library, settings)
+    wall = time.perf_counter() - wall0
+    server_cores = (cpu_seconds(pid) - cpu0) / wall if pid else math.nan
+    client_cores = (time.process_time() - mine0) / wall
     recs = run.records
     ok = [r for r in recs if r.status == "ok"]
     lat = sorted(r.latency_ms / 1e3 for r in recs)
@@ -131,10 +156,10 @@ def measure(url: str, model: str, library, rate: float, queries: int, tokens: in
                  statistics.fmean(r.output_tokens for r in ok) if ok else 0.0,
                  errors == 0 and p99 <= target_s,
                  next((r.error for r in recs if r.status != "ok"), None),
-                 (len(recs) - 1) / arrivals if arrivals > 0 else 0.0)  # fmt: skip
+                 (len(recs) - 1) / arrivals if arrivals > 0 else 0.0, server_cores, client_cores)  # fmt: skip
 
 
-def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None:  # noqa: ANN001
+def sweep(system: System, url: str, libraries, args: argparse.Namespace, pid: int | None = None) -> None:  # noqa: ANN001
     """Double the rate until it fails, then bisect between the best pass and the lowest fail until
     the bracket is within ``args.precision`` of the pass (equal relative resolution for every system:
     a fixed number of bisections would leave a coarser bracket for a system whose doubling sequence
@@ -155,11 +180,13 @@ def sweep(system: System, url: str, libraries, args: argparse.Namespace) -> None
             args.output_tokens,
             args.p99_target_s,
             args.seed,
+            pid,
         )
         system.points.append(p)
         mark = "pass" if p.passed else "FAIL"
         print(f"  ({system.label}) {rate:7.3f} req/s offered: {p.achieved_qps:6.3f} done/s, p50 {p.p50_s:6.2f} s, "
-              f"p99 {p.p99_s:6.2f} s, {p.errors} errors, {p.mean_output_tokens:.1f} tokens/answer  {mark}"
+              f"p99 {p.p99_s:6.2f} s, {p.errors} errors, {p.mean_output_tokens:.1f} tokens/answer, "
+              f"CPU cores: server {p.server_cores:.2f}, client {p.client_cores:.2f}  {mark}"
               + (f" (first error: {p.first_error[:120]})" if p.first_error else ""), flush=True)  # fmt: skip
         if p.passed:
             lo = rate  # a pass only ever raises it, a fail only ever lowers hi (midpoints)
@@ -338,7 +365,7 @@ def main() -> None:
         t0 = time.monotonic()
         with Running(cmd, port) as srv:
             s.startup_s = time.monotonic() - t0
-            sweep(s, srv.url, libraries, args)
+            sweep(s, srv.url, libraries, args, srv.proc.pid if srv.proc else None)
             if s.label in ("a", "b", "d"):
                 s.cached_share = prefix_share(srv.url, s.model)
             if s.label == "b":

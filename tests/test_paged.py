@@ -147,6 +147,44 @@ def test_a_request_the_pool_cannot_hold_waits_for_room(decoder) -> None:  # noqa
     batch.begin("b", [5, 6, 7], 4)
 
 
+def test_a_pool_larger_than_the_machine_is_reserved_and_commits_only_what_is_written() -> None:
+    # a 1.7B model's worst case outgrew this machine: the reservation itself used to be refused
+    machine = psutil.virtual_memory().total + psutil.swap_memory().total
+    blocks = (2 * machine) // (8 * 2 * 4 * 16 * 64 * 4) + 1
+    pool = BlockPool(layers=8, kv_heads=4, head_dim=64, blocks=blocks, dtype=torch.float32)
+    assert pool.reserved_bytes > 2 * machine
+    before = psutil.Process().memory_info().rss
+    last = pool.allocate(blocks)[-1:]
+    pool.data[:, :, :, last[0] * 16 :] = 1.0
+    pool.written(last)
+    assert psutil.Process().memory_info().rss - before < 16 * 2**20
+    pool.release(last)
+
+
+def test_the_cache_holds_the_worst_case_within_its_memory_budget(decoder) -> None:  # noqa: ANN001
+    from variantbench.errors import UserError
+    from variantbench.serving.continuous import ContinuousBatch, NoRoom
+    from variantbench.serving.paged import PagedBatch
+
+    whole = PagedBatch(decoder, max_batch=4, max_len=64)
+    per_token = whole.pool.bytes_per_block // whole.block
+    assert whole.capped_by is None and whole.pool.blocks * whole.block >= 4 * 64
+    # room for 2.5 requests of max_len: the pool is cut to it, and a third long request waits
+    capped = PagedBatch(decoder, max_batch=4, max_len=64, kv_budget=(160 * per_token, "a test's budget"))
+    assert capped.capped_by == "a test's budget" and "capped by a test's budget" in capped.describe()
+    assert capped.pool.blocks * capped.block < 4 * 64
+    for key in ("a", "b"):
+        capped.begin(key, [3 + i % 390 for i in range(40)], 24)
+    with pytest.raises(NoRoom):
+        capped.begin("c", [3 + i % 390 for i in range(40)], 24)
+    capped.leave("a")
+    capped.begin("c", [3 + i % 390 for i in range(40)], 24)
+    with pytest.raises(UserError, match="less than one request of --max-len 64"):
+        PagedBatch(decoder, max_batch=4, max_len=64, kv_budget=(32 * per_token, "--kv-cache-gb 0.001"))
+    with pytest.raises(UserError, match="contiguous KV cache needs"):
+        ContinuousBatch(decoder, max_batch=4, max_len=64, kv_budget=(100 * per_token, "a test's budget"))
+
+
 def test_the_prefix_caches_blocks_give_way_to_a_request(decoder) -> None:  # noqa: ANN001
     """The cache keeps its blocks in the requests' pool: once a request needs them, the least recently
     used go (a batch of one whose cache held 8 of its 17 blocks otherwise never started a request)."""

@@ -684,6 +684,11 @@ def serve(
     kv_cache: Annotated[
         str, typer.Option(help="torch engine: paged (blocks from a pool, memory as used) or contiguous")
     ] = "paged",
+    kv_cache_gb: Annotated[
+        float | None,
+        typer.Option(help="GiB the KV cache may hold (default: 80% of the memory available once the weights are "
+                     "loaded); requests beyond it wait for room"),
+    ] = None,
     weight_layout: Annotated[
         str,
         typer.Option(
@@ -745,7 +750,7 @@ def serve(
         options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                queue_timeout_ms=queue_timeout_ms, max_len=max_len, prefill_chunk=prefill_chunk,
                                prefix_cache_mb=prefix_cache_mb, policies=policies,
-                               ttft_slo_ms=ttft_slo_ms or None, kv_cache=kv_cache,
+                               ttft_slo_ms=ttft_slo_ms or None, kv_cache=kv_cache, kv_cache_gb=kv_cache_gb,
                                weight_layout=weight_layout)  # fmt: skip
         base = str(prepare_model(parse_model(model), status=say))
         models = load_models(base, names, options, device=device, threads=threads, say=say)

@@ -80,8 +80,9 @@ KV_CACHES = ("paged", "contiguous")
 
 
 def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
-           kv_cache: str = "paged") -> Any:  # fmt: skip
+           kv_cache: str = "paged", kv_cache_gb: float | None = None) -> Any:  # fmt: skip
     from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.kv_budget import budget_bytes
     from variantbench.serving.paged import PagedBatch
 
     if backend.decoder is None:
@@ -89,11 +90,12 @@ def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefi
     limit = min(max_len, backend.max_positions or max_len)
     kind = PagedBatch if kv_cache == "paged" else ContinuousBatch
     return kind(backend.decoder, max_batch=max_batch, max_len=limit, stop_ids=backend.stop_ids,
-                prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)  # fmt: skip
+                prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                kv_budget=budget_bytes(kv_cache_gb, backend.decoder.device))  # fmt: skip
 
 
 def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
-               kv_cache: str = "paged") -> Any:  # fmt: skip
+               kv_cache: str = "paged", kv_cache_gb: float | None = None) -> Any:  # fmt: skip
     from variantbench.serving.llama_cpp_batch import LlamaCppBatch
 
     if backend.llm is None:
@@ -107,11 +109,12 @@ BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_c
 
 
 def batch_for(backend: Any, max_batch: int, max_len: int, prefill_chunk: int = 256,
-              prefix_cache_mb: float = 0.0, kv_cache: str = "paged") -> Any:  # fmt: skip
+              prefix_cache_mb: float = 0.0, kv_cache: str = "paged", kv_cache_gb: float | None = None) -> Any:  # fmt: skip
     """A continuous batch over a loaded backend, or one line saying its engine cannot be served.
 
     ``kv_cache`` (torch engine): ``paged`` (blocks from a pool, memory as used: ``paged.py``) or
-    ``contiguous`` (one preallocated storage: ``continuous.py``)."""
+    ``contiguous`` (one preallocated storage: ``continuous.py``); ``kv_cache_gb`` its budget (None:
+    80% of the memory available now, ``kv_budget.py``)."""
     if kv_cache not in KV_CACHES:
         raise UserError(f"kv cache {kv_cache!r}: one of {', '.join(KV_CACHES)}")
     engine = backend.info().get("backend", "?")
@@ -119,4 +122,4 @@ def batch_for(backend: Any, max_batch: int, max_len: int, prefill_chunk: int = 2
     if make is None:
         raise UserError(f"{backend.name}: its engine ({engine}) cannot be served yet; "
                         f"serve {' or '.join(BATCHES)} variants")  # fmt: skip
-    return make(backend, max_batch, max_len, prefill_chunk, prefix_cache_mb, kv_cache)
+    return make(backend, max_batch, max_len, prefill_chunk, prefix_cache_mb, kv_cache, kv_cache_gb)

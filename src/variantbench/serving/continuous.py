@@ -116,10 +116,19 @@ class ContinuousBatch:
         prefill_chunk: int = 256,
         prefix_cache_mb: float = 0.0,
         prefix_block: int = 16,
+        kv_budget: tuple[int, str] | None = None,
     ) -> None:
         max_kv = batch_basics(self, decoder, max_batch, max_len, stop_ids, prefill_chunk)
         layers = decoder.layers
         dev, dtype = decoder.device, decoder.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        size = len(layers) * 2 * max_batch * max_kv * max_len * decoder.head_dim * element
+        if kv_budget and size > kv_budget[0]:  # written whole at start: it must fit at once
+            raise UserError(
+                f"the contiguous KV cache needs {size / 2**30:.2f} GiB ({max_batch} rows x {max_len} tokens), more "
+                f"than its budget ({kv_budget[1]}: {kv_budget[0] / 2**30:.2f} GiB); use --kv-cache paged, or lower "
+                "--max-batch-size or --max-len"
+            )
         self.storage = torch.zeros(
             len(layers), 2, max_batch, max_kv, max_len, decoder.head_dim, dtype=dtype, device=dev
         )

@@ -81,6 +81,7 @@ class ServeOptions:
     # level 0's first-token objective unless its own policy sets one (None: none); the seeds' promise
     ttft_slo_ms: float | None = 500.0
     kv_cache: str = "paged"  # torch engine: paged | contiguous
+    kv_cache_gb: float | None = None  # the KV cache's budget (None: 80% of the memory available at start)
     # torch engine, fp32 on CPU: "packed" keeps one copy of each layer's weights (idle RSS ~0.7x
     # less); "packed+split" adds the split-K copy that decodes one row ~10% faster
     weight_layout: str = "packed"
@@ -102,6 +103,8 @@ class ServeOptions:
             raise UserError(f"--max-len must be at least 8, got {self.max_len}")
         if self.kv_cache not in ("paged", "contiguous"):
             raise UserError(f"--kv-cache must be paged or contiguous, got {self.kv_cache!r}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise UserError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb:g}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise UserError(
                 f"--weight-layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {self.weight_layout!r}"
@@ -129,7 +132,8 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
     if options.weight_layout == "packed" and isinstance(backend, CompactsWeights):
         backend.compact_weights()
     batch = batch_for(backend, options.max_batch_size, options.max_len, prefill_chunk=options.prefill_chunk,
-                      prefix_cache_mb=options.prefix_cache_mb, kv_cache=options.kv_cache)  # fmt: skip
+                      prefix_cache_mb=options.prefix_cache_mb, kv_cache=options.kv_cache,
+                      kv_cache_gb=options.kv_cache_gb)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
                          policies=options.level_policies(), name=name)  # fmt: skip

@@ -9,12 +9,13 @@ blocks is one strided view: ``data[layer, k|v, kv_head, positions, head_dim]``, 
 ``block`` consecutive positions. A request is given consecutive blocks where the free list allows
 (first fit over runs of free blocks), and attention reads each run as a view.
 
-Memory follows use: the pool's tensor is reserved (``torch.empty``), not written, so the kernel
-commits a page only when a key is stored in it; a freed block's pages are handed back with
-``madvise(MADV_DONTNEED)`` (block sizes are chosen so that a block of one head is whole pages). The
-pool can therefore be sized for the worst case (every row at the longest context) while resident
-memory is the live tokens, rounded up to a block per row. On a GPU memory is committed at
-allocation, so there the pool is what is allocated.
+Memory follows use: the pool's tensor is reserved (an anonymous mmap, not charged against the
+overcommit heuristic), not written, so the kernel commits a page only when a key is stored in it;
+a freed block's pages are handed back with ``madvise(MADV_DONTNEED)`` (block sizes are chosen so
+that a block of one head is whole pages). The pool can therefore be sized for the worst case (every
+row at the longest context, within the budget of ``kv_budget.py``) while resident memory is the
+live tokens, rounded up to a block per row. On a GPU memory is committed at allocation, so there
+the pool is what is allocated.
 
 Blocks are reference-counted: a row holds its own and any prefix blocks it borrowed; the prefix
 cache holds the blocks it indexes; a block returns to the free list at zero.
@@ -25,6 +26,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import platform
+import sys
 from typing import Any
 
 import torch
@@ -41,6 +44,21 @@ def _madvise() -> Any:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+# mmap's MAP_NORESERVE (Linux x86-64 and arm64; Python's mmap module does not name it): the mapping
+# is not charged against the overcommit heuristic, so a pool reserved for the worst case is granted
+# even where it exceeds RAM + swap; its pages still commit only as keys are written
+_MAP_NORESERVE = 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
+
+
+def reserve(nbytes: int) -> mmap.mmap:
+    """Anonymous, private, page-aligned memory of ``nbytes``, committed page by page as it is written."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    try:
+        return mmap.mmap(-1, max(nbytes, 1), flags=flags | _MAP_NORESERVE)
+    except OSError:
+        return mmap.mmap(-1, max(nbytes, 1), flags=flags)
 
 
 class PoolFull(RuntimeError):
@@ -70,11 +88,9 @@ class BlockPool:
         page = mmap.PAGESIZE
         self._madvise = _madvise() if self.device.type == "cpu" else None
         if self._madvise is not None:
-            # page-aligned, so each block of each head is whole pages
-            flat = torch.empty(numel + page // element, dtype=dtype, device=self.device)
-            offset = (-flat.data_ptr() % page) // element
-            self.data = flat[offset : offset + numel].view(self.shape)
-            self._flat = flat
+            # page-aligned (an mmap), so each block of each head is whole pages
+            self._map = reserve(numel * element)
+            self.data = torch.frombuffer(self._map, dtype=dtype, count=numel).view(self.shape)
         else:
             self.data = torch.zeros(self.shape, dtype=dtype, device=self.device)
         self.bytes_per_block = layers * 2 * kv_heads * self.block * head_dim * element

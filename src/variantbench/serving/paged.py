@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from variantbench.compute import on_compute
 from variantbench.serving.continuous import NoRoom, batch_basics, check_join
+from variantbench.serving.kv_budget import cache_blocks
 from variantbench.serving.kv_pool import BlockPool, PoolFull, block_size, runs
 from variantbench.serving.prefix_cache import PrefixCache
 from variantbench.serving.scheduler import Pending, StepPlan
@@ -156,6 +157,7 @@ class PagedBatch:
         prefix_cache_mb: float = 0.0,
         pool_tokens: int | None = None,
         share_prefixes: bool = False,
+        kv_budget: tuple[int, str] | None = None,
     ) -> None:
         # Borrowed prefix blocks make a row two runs, merged by log-sum-exp in every layer of every
         # step: with the default prefix cache (28 of 124 prompt tokens cached) decode steps of 8 rows
@@ -165,11 +167,19 @@ class PagedBatch:
         self.share_prefixes = share_prefixes
         max_kv = batch_basics(self, decoder, max_batch, max_len, stop_ids, prefill_chunk)
         layers = decoder.layers
-        # reserved for the worst case (every row at the longest context): untouched pages cost nothing
-        tokens = pool_tokens or max_batch * max_len
-        block = block_size(decoder.head_dim, torch.empty((), dtype=decoder.dtype).element_size())
-        self.pool = BlockPool(len(layers), max_kv, decoder.head_dim, math.ceil(tokens / block) + max_batch,
-                              decoder.dtype, decoder.device, block=block)  # fmt: skip
+        # reserved for the worst case (every row at the longest context): untouched pages cost nothing;
+        # within ``kv_budget`` (bytes, and where it came from) when that is less (``kv_budget.py``)
+        element = torch.empty((), dtype=decoder.dtype).element_size()
+        block = block_size(decoder.head_dim, element)
+        blocks = math.ceil((pool_tokens or max_batch * max_len) / block) + max_batch  # a part block a row
+        if kv_budget and not pool_tokens:
+            per_block = len(layers) * 2 * max_kv * block * decoder.head_dim * element
+            worst, blocks = blocks, cache_blocks(blocks, per_block, block, max_len, kv_budget)
+            self.capped_by = kv_budget[1] if blocks < worst else None
+        else:
+            self.capped_by = None
+        self.pool = BlockPool(len(layers), max_kv, decoder.head_dim, blocks, decoder.dtype, decoder.device,
+                              block=block)  # fmt: skip
         self.block = self.pool.block
         self.prefix = PrefixCache(
             int(prefix_cache_mb * 2**20), block=self.block, keeper=_PoolBlocks(self.pool)
@@ -192,6 +202,10 @@ class PagedBatch:
 
     def describe(self) -> str:
         kv = f"paged KV cache: blocks of {self.block} tokens, {self.pool.reserved_bytes / 1e9:.2f} GB reserved, used as written"
+        if self.capped_by:
+            held = self.pool.blocks * self.block
+            kv += (f" (capped by {self.capped_by}: {held:,} tokens, under {self.max_batch} x {self.max_len}; "
+                   "requests beyond it wait for room)")  # fmt: skip
         if self.prefix.enabled:
             kv += f", prefix cache up to {self.prefix.budget_bytes / 2**20:g} MiB of shared blocks"
         return kv
