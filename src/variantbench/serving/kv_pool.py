@@ -203,6 +203,12 @@ class BlockPool:
         return sum(self.dirty) * self.bytes_per_block
 
     @property
+    def resident_bytes(self) -> int:
+        """What the pool holds in memory now: its committed blocks where pages are handed back (a
+        CPU under Linux), else all of it (a GPU's pool, or ``torch.zeros`` elsewhere, is allocated whole)."""
+        return self.committed_bytes if self._madvise is not None else self.reserved_bytes
+
+    @property
     def reserved_bytes(self) -> int:
         return self.blocks * self.bytes_per_block
 

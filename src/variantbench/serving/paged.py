@@ -215,8 +215,9 @@ class PagedBatch:
 
     @property
     def kv_resident_bytes(self) -> int:
-        """The pool's written blocks not handed back: rows' and the prefix cache's keys/values."""
-        return self.pool.committed_bytes
+        """The pool's written blocks not handed back (rows' and the prefix cache's keys/values), or
+        the whole pool where it is allocated at once (a GPU)."""
+        return self.pool.resident_bytes
 
     @property
     def live_tokens(self) -> int:
