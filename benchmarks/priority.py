@@ -57,7 +57,6 @@ import json
 import math
 import os
 import random
-import re
 import statistics
 import sys
 import threading
@@ -72,6 +71,7 @@ from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
 from variantbench.loadgen.server_process import Running
 from variantbench.models import parse_model, prepare_model
+from variantbench.trackers.server_metrics import parse as parse_metrics
 from variantbench.workloads import build_synthetic, parse_lengths
 from variantbench.workloads.counting import tokenizer_counter
 
@@ -189,11 +189,10 @@ def mixed_streams(
 
 
 def scraped(url: str, name: str, model: str) -> float:
-    """One of a model's series in the server's /metrics (0 when absent)."""
+    """One of a model's series in the server's /metrics (0 when absent), parsed by the tracker's parser."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf'^{re.escape(name)}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+        series = parse_metrics(r.read().decode())
+    return series.get(f'{name}{{model="{model}"}}', 0.0)
 
 
 def busy_seconds(url: str, model: str) -> float:
