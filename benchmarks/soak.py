@@ -163,6 +163,11 @@ def main() -> None:
     ap.add_argument("--batch-lengths", default="uniform:512-2048")
     ap.add_argument("--interactive-tokens", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=128)
+    ap.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="answers may end at the end-of-text token (by default they run to max_tokens: ignore_eos)",
+    )
     ap.add_argument("--variant", default="smooth+int8:act=token")
     ap.add_argument("--window-min", type=float, default=5.0, help="latency windows (minutes)")
     ap.add_argument("--warmup-min", type=float, default=5.0, help="RSS growth and windows count from here")
@@ -209,7 +214,7 @@ def main() -> None:
         outcomes = asyncio.run(drive(srv.url, args.variant, [
             ("batch", b_times, batch, args.batch_tokens, 1),
             ("interactive", i_times, interactive, args.interactive_tokens, 0),
-        ]))  # fmt: skip
+        ], not args.stop_at_eos))  # fmt: skip
         wall = time.perf_counter() - t0
         busy = (busy_seconds(srv.url, args.variant) - before) / wall
         stop.set()
@@ -226,9 +231,10 @@ def main() -> None:
 
     ws: list[Window] = []
     print(
-        "\n| window (min) | interactive TTFT p99 ms | interactive latency p99 s | batch latency p99 s | mean latency s |"
+        "\n| window (min) | requests | output tokens | interactive TTFT p99 ms | interactive latency p99 s "
+        "| batch latency p99 s | mean latency s |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     start = warm_s
     while start + width <= duration + 1e-9:
         inside = [o for o in outcomes if o.status == 200 and start <= o.sent_s < start + width and o.done_s]
@@ -239,7 +245,8 @@ def main() -> None:
         mean = statistics.fmean(lat) if lat else None
         ws.append(Window(len(ws), len(inside), None, percentile(lat, 0.99) * 1e3 if lat else None,
                          mean * 1e3 if mean else None, None, None))  # fmt: skip
-        print(f"| {start / 60:g}-{(start + width) / 60:g} | {percentile(it, 0.99) * 1e3:.0f} | "
+        print(f"| {start / 60:g}-{(start + width) / 60:g} | {len(inside)} | {sum(o.tokens for o in inside)} | "
+              f"{percentile(it, 0.99) * 1e3:.0f} | "
               f"{percentile(il, 0.99):.2f} | {percentile(bl, 0.99):.2f} | {mean or math.nan:.2f} |")  # fmt: skip
         start += width
     # The harness's rule judges its last three windows (a run's steady state); a soak looks for drift

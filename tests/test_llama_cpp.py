@@ -162,14 +162,13 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
     want = {key: backend.generate([GenerationRequest(key, prompt=text, max_new_tokens=9)])[0].text
             for key, text in texts.items()}  # fmt: skip
     batch = batch_for(backend, max_batch=3, max_len=64)
-    batch.stop_ids = frozenset()
     got: dict[str, list[int]] = {}
     pending = list(prompts)
     sizes = []
     while pending or batch.active:
         if pending and batch.active < batch.max_batch:  # joins between steps, up to 3 at once
             key = pending.pop(0)
-            got[key] = [batch.join(key, prompts[key], 9)[0]]
+            got[key] = [batch.join(key, prompts[key], 9, stops=frozenset())[0]]  # ignore_eos: all 9
         sizes.append(batch.active)
         for key, token, done in batch.step():
             got[key].append(token)
@@ -181,6 +180,9 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
         stop = next((i for i, t in enumerate(tokens) if t in backend._stop_ids), len(tokens))
         text = tok.decode(tokens[:stop], skip_special_tokens=True).strip()
         assert text == want[key], key
+    batch.stop_ids = frozenset(range(batch.n_vocab))  # the model's stop tokens end it at once
+    assert batch.join("s", prompts["p0"], 9)[1]
+    batch.leave("s")
     small = batch_for(backend, max_batch=2, max_len=64)
     small.kv_tokens = 40  # two 20-token reservations fill it
     small.join("a", list(range(3, 13)), 10)

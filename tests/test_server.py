@@ -106,7 +106,7 @@ def test_bad_requests_get_openai_style_4xx_and_the_server_keeps_serving(backends
             client.completions.create(model="fp32", prompt="word " * 400, max_tokens=2)
         assert err.value.body["code"] == "context_length_exceeded"
         for bad in ({"max_tokens": 0}, {"temperature": 5}, {"n": 2}, {"max_tokens": "many"}, {"stop": [1]},
-                    {"priority": "high"}, {"logprobs": 3}, {"prompt": ""}, {"prompt": {"x": 1}}):  # fmt: skip
+                    {"priority": "high"}, {"ignore_eos": "yes"}, {"logprobs": 3}, {"prompt": ""}, {"prompt": {"x": 1}}):  # fmt: skip
             r = httpx.post(srv.url + "/v1/completions", json={"model": "fp32", "prompt": "hi", **bad})
             assert r.status_code == 400, bad
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -287,6 +287,18 @@ def test_a_failing_step_fails_only_its_batch(backends) -> None:  # noqa: ANN001
             srv.url + "/v1/completions", json={"model": "fp32", "prompt": PROMPT, "max_tokens": 6}
         )
         assert other.status_code == 200 and again.status_code == 200 and batch.active == 0
+
+
+def test_ignore_eos_runs_to_max_tokens_past_the_stop_tokens(backends) -> None:  # noqa: ANN001
+    """vLLM's ``ignore_eos``: a benchmark's answers run to ``max_tokens`` whatever the prompt."""
+    with running(backends) as srv:
+        batch = srv.models["fp32"].worker.batch
+        batch.stop_ids = frozenset(range(backends["fp32"].tokenizer.vocab_size + 8))  # any token ends it
+        body = {"model": "fp32", "prompt": PROMPT, "max_tokens": 7}
+        stopped = httpx.post(srv.url + "/v1/completions", json=body).json()
+        through = httpx.post(srv.url + "/v1/completions", json={**body, "ignore_eos": True}).json()
+    assert (stopped["usage"]["completion_tokens"], stopped["choices"][0]["finish_reason"]) == (1, "stop")
+    assert (through["usage"]["completion_tokens"], through["choices"][0]["finish_reason"]) == (7, "length")
 
 
 def test_shutdown_drains_in_flight_requests(backends) -> None:  # noqa: ANN001

@@ -313,6 +313,43 @@ def test_worker_serves_priorities_in_order_and_frees_cancelled_slots(decoder) ->
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_ignore_eos_runs_past_the_stop_token_beside_a_row_that_stops(decoder, kind: str) -> None:  # noqa: ANN001
+    """Stop tokens are per request: one row ends at the model's stop token, the row beside it in the
+    same steps (``ignore_eos``) decodes on to ``max_new`` with the very tokens it would alone."""
+    import asyncio
+
+    from variantbench.serving.continuous import ContinuousBatch
+    from variantbench.serving.paged import PagedBatch
+    from variantbench.serving.worker import BatchWorker
+
+    prompt = [5, 9, 14, 30, 2, 8]
+    full = _alone(decoder, prompt, 12)
+    stop = full[3]
+    end = full.index(stop) + 1
+    kind_of = PagedBatch if kind == "paged" else ContinuousBatch
+    # joined alone (no chunked prefill) the override holds too
+    direct = kind_of(decoder, max_batch=2, max_len=64, stop_ids=(stop,))
+    first, done = direct.join("x", prompt, 12, stops=frozenset())
+    tokens = [first]
+    while not done:
+        ((_, token, done),) = direct.step()
+        tokens.append(token)
+    assert tokens == full
+
+    async def main() -> list[tuple[list[int], str]]:
+        worker = BatchWorker(kind_of(decoder, max_batch=4, max_len=64, stop_ids=(stop,))).start()
+        try:
+            both = [worker.submit("stops", prompt, 12), worker.submit("runs", prompt, 12, ignore_eos=True)]
+            return await asyncio.gather(*(_collect(q) for q in both))
+        finally:
+            worker.drain_and_stop()
+
+    (stopped, why), (through, why_through) = asyncio.run(main())
+    assert (stopped, why) == (full[:end], "stop") and end < 12
+    assert (through, why_through) == (full, "length")
+
+
 def test_batch_size_adapts_to_what_a_row_more_still_buys() -> None:
     from variantbench.serving.scheduler import StepCost
 

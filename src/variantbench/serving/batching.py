@@ -31,7 +31,12 @@ class ServingBatch(Protocol):
 
     def fits(self, prompt_len: int, max_new: int) -> bool: ...
 
-    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]: ...
+    def join(
+        self, key: Any, prompt: list[int], max_new: int, stops: frozenset[int] | None = None
+    ) -> tuple[int, bool]:
+        """``stops``: the tokens that end this request (None: the model's ``stop_ids``; empty: none,
+        the request's ``ignore_eos``)."""
+        ...
 
     def step(self) -> list[tuple[Any, int, bool]]: ...
 
@@ -56,7 +61,8 @@ class ChunkedPrefill(Protocol):
     last_prompt_tokens: int
     prefill_chunk: int  # prompt tokens per step when no plan says otherwise
 
-    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None: ...
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+              stops: frozenset[int] | None = None) -> None: ...  # fmt: skip
 
     def pending_prefills(self) -> list[Any]:
         """``scheduler.Pending`` for each prompt still being prefilled."""

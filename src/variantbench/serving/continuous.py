@@ -89,6 +89,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     start: int = 0  # the cache index of its first prompt token
+    stops: frozenset[int] = frozenset()  # tokens that end it (none: ``ignore_eos``)
 
 
 @dataclass
@@ -103,6 +104,7 @@ class _Prefill:
     first: int | None = None  # the first output token, once the whole prompt is in
     priority: int = 0
     seq: int = 0  # order taken in
+    stops: frozenset[int] = frozenset()
 
 
 class ContinuousBatch:
@@ -167,7 +169,8 @@ class ContinuousBatch:
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= self.max_len
 
-    def _new_prefill(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> _Prefill:
+    def _new_prefill(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+                     stops: frozenset[int] | None = None) -> _Prefill:  # fmt: skip
         n = len(prompt)
         check_join(self, n, max_new)
         longest = max([n, *(len(p.prompt) for p in self.pending)])
@@ -186,13 +189,16 @@ class ContinuousBatch:
         self.prompt_tokens["cached"] += hit
         self.prompt_tokens["computed"] += n - hit
         self._taken += 1
-        return _Prefill(key, list(prompt), max_new, cache, done=hit, priority=priority, seq=self._taken)
+        return _Prefill(key, list(prompt), max_new, cache, done=hit, priority=priority, seq=self._taken,
+                        stops=self.stop_ids if stops is None else stops)  # fmt: skip
 
     @on_compute
-    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+              stops: frozenset[int] | None = None) -> None:  # fmt: skip
         """Take a request in; the next steps prefill its prompt in chunks beside the decode rows, and
-        the step that completes it returns its first token."""
-        self.pending.append(self._new_prefill(key, prompt, max_new, priority))
+        the step that completes it returns its first token. ``stops``: the tokens that end it (None:
+        the model's; empty: none, ``ignore_eos``)."""
+        self.pending.append(self._new_prefill(key, prompt, max_new, priority, stops))
 
     def pending_prefills(self) -> list[Pending]:
         """The prompts still being prefilled (for ``scheduler.plan_prefill``)."""
@@ -200,9 +206,11 @@ class ContinuousBatch:
 
     @on_compute
     @torch.inference_mode()
-    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
+    def join(
+        self, key: Any, prompt: list[int], max_new: int, stops: frozenset[int] | None = None
+    ) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone, and add it to the batch; returns (first token, finished already)."""
-        p = self._new_prefill(key, prompt, max_new)
+        p = self._new_prefill(key, prompt, max_new, stops=stops)
         self._compute(0, [(p, p.done, len(p.prompt) - p.done)])
         self._prefilled(p)
         if not self._place(p):  # cannot happen: _new_prefill checked the same room
@@ -261,9 +269,15 @@ class ContinuousBatch:
         self.storage[:, :, row, :, start : self.cur] = p.cache[:, :, 0, :, :n]
         assert p.first is not None
         slot = Slot(
-            key=p.key, max_new=p.max_new, position=n - 1, next_id=p.first, tokens=[p.first], start=start
+            key=p.key,
+            max_new=p.max_new,
+            position=n - 1,
+            next_id=p.first,
+            tokens=[p.first],
+            start=start,
+            stops=p.stops,
         )
-        slot.done = p.first in self.stop_ids or p.max_new <= 1
+        slot.done = p.first in p.stops or p.max_new <= 1
         self.slots.append(slot)
         return True
 
@@ -367,12 +381,12 @@ class ContinuousBatch:
             slot.position += 1
             slot.next_id = token
             slot.tokens.append(token)
-            slot.done = token in self.stop_ids or len(slot.tokens) >= slot.max_new
+            slot.done = token in slot.stops or len(slot.tokens) >= slot.max_new
             out.append((slot.key, token, slot.done))
         for p, _, _ in chunks:
             if p.first is None:
                 continue
-            done = p.first in self.stop_ids or p.max_new <= 1
+            done = p.first in p.stops or p.max_new <= 1
             out.append((p.key, p.first, done))
             if done or self._place(p):
                 self.pending.remove(p)

@@ -57,6 +57,7 @@ class _Seq:
     order: int = 0  # taken in
     tokens: list[int] = field(default_factory=list)  # output tokens (the last one not fed yet)
     finished: bool = False
+    stops: frozenset[int] = frozenset()  # tokens that end it (none: ``ignore_eos``)
 
     @property
     def prefilling(self) -> bool:
@@ -186,7 +187,8 @@ class LlamaCppBatch:
         if new_id and not self._free:
             raise NoRoom("every sequence id is running")
 
-    def _take_in(self, key: Any, prompt: list[int], max_new: int, priority: int) -> _Seq:
+    def _take_in(self, key: Any, prompt: list[int], max_new: int, priority: int,
+                 stops: frozenset[int] | None = None) -> _Seq:  # fmt: skip
         n = len(prompt)
         check_join(self, n, max_new)
         shared, src, kept = self._source(prompt)
@@ -208,16 +210,26 @@ class LlamaCppBatch:
         self.prompt_tokens["computed"] += n - shared
         self._taken += 1
         seq = _Seq(
-            key, seq_id, list(prompt), max_new, n + max_new, done=shared, priority=priority, order=self._taken
+            key,
+            seq_id,
+            list(prompt),
+            max_new,
+            n + max_new,
+            done=shared,
+            priority=priority,
+            order=self._taken,
+            stops=self.stop_ids if stops is None else stops,
         )
         self.slots.append(seq)
         return seq
 
     @on_compute
-    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+              stops: frozenset[int] | None = None) -> None:  # fmt: skip
         """Take a request in; the next steps prefill its prompt beside the decode rows, and the step
-        that completes it returns its first token."""
-        self._take_in(key, prompt, max_new, priority)
+        that completes it returns its first token. ``stops``: the tokens that end it (None: the
+        model's; empty: none, ``ignore_eos``)."""
+        self._take_in(key, prompt, max_new, priority, stops)
 
     def pending_prefills(self) -> list[Pending]:
         return [
@@ -225,9 +237,11 @@ class LlamaCppBatch:
         ]
 
     @on_compute
-    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
+    def join(
+        self, key: Any, prompt: list[int], max_new: int, stops: frozenset[int] | None = None
+    ) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone (in chunks of ``n_batch``); returns (first token, finished already)."""
-        seq = self._take_in(key, prompt, max_new, 0)
+        seq = self._take_in(key, prompt, max_new, 0, stops)
         try:
             while seq.prefilling:
                 self._decode([], [(seq, min(self.n_batch, len(seq.prompt) - seq.done))])
@@ -278,12 +292,12 @@ class LlamaCppBatch:
         for i, s in enumerate(rows):
             token = self._argmax(i)
             s.tokens.append(token)
-            s.finished = token in self.stop_ids or len(s.tokens) >= s.max_new
+            s.finished = token in s.stops or len(s.tokens) >= s.max_new
             out.append((s.key, token, s.finished))
         for s, at in ends:
             token = self._argmax(at)
             s.tokens.append(token)
-            s.finished = token in self.stop_ids or s.max_new <= 1
+            s.finished = token in s.stops or s.max_new <= 1
             out.append((s.key, token, s.finished))
         return out
 

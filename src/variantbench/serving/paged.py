@@ -52,6 +52,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     next_id: int = 0
     done: bool = False
+    stops: frozenset[int] = frozenset()  # tokens that end it (none: ``ignore_eos``)
 
     @property
     def prefilling(self) -> bool:
@@ -225,8 +226,10 @@ class PagedBatch:
         return sum(r.length for r in self.rows)
 
     @on_compute
-    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0) -> None:
-        """Take a request in (its blocks reserved); the next steps prefill its prompt in chunks."""
+    def begin(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
+              stops: frozenset[int] | None = None) -> None:  # fmt: skip
+        """Take a request in (its blocks reserved); the next steps prefill its prompt in chunks.
+        ``stops``: the tokens that end it (None: the model's; empty: none, ``ignore_eos``)."""
         n = len(prompt)
         check_join(self, n, max_new)
         # the last prompt token is always computed: its logits give the first output token
@@ -261,13 +264,16 @@ class PagedBatch:
         self.prompt_tokens["computed"] += n - hit
         self._taken += 1
         self.rows.append(_Row(key, list(prompt), max_new, priority, self._taken, blocks,
-                              len(borrowed) if share else 0, length=hit))  # fmt: skip
+                              len(borrowed) if share else 0, length=hit,
+                              stops=self.stop_ids if stops is None else stops))  # fmt: skip
 
     @on_compute
     @torch.inference_mode()
-    def join(self, key: Any, prompt: list[int], max_new: int) -> tuple[int, bool]:
+    def join(
+        self, key: Any, prompt: list[int], max_new: int, stops: frozenset[int] | None = None
+    ) -> tuple[int, bool]:
         """Prefill ``prompt`` now, alone, and add it to the batch; returns (first token, finished already)."""
-        self.begin(key, prompt, max_new)
+        self.begin(key, prompt, max_new, stops=stops)
         row = self.rows[-1]
         self._compute([], [(row, row.length, len(prompt) - row.length)])
         return row.next_id, row.done
@@ -331,7 +337,7 @@ class PagedBatch:
         for row, token in zip(ends, tokens[len(rows) :], strict=True):
             row.first = row.next_id = int(token)
             row.tokens = [row.first]
-            row.done = row.first in self.stop_ids or row.max_new <= 1
+            row.done = row.first in row.stops or row.max_new <= 1
             self.prefix.insert(row.prompt, row.blocks)
         return [int(t) for t in tokens[: len(rows)]]
 
@@ -370,7 +376,7 @@ class PagedBatch:
         for row, token in zip(decoding, tokens, strict=True):
             row.next_id = token
             row.tokens.append(token)
-            row.done = token in self.stop_ids or len(row.tokens) >= row.max_new
+            row.done = token in row.stops or len(row.tokens) >= row.max_new
             out.append((row.key, token, row.done))
         for row, start, length in chunks:
             if row.first is not None and start + length == len(row.prompt):

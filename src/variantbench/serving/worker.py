@@ -82,6 +82,7 @@ class _Live:
     events: asyncio.Queue
     cancelled: bool = False
     priority: int = 0
+    stops: frozenset[int] | None = None  # None: the model's stop tokens; empty: ``ignore_eos``
 
 
 class BatchWorker:
@@ -169,8 +170,9 @@ class BatchWorker:
     # ---- event-loop side ------------------------------------------------------------------------
 
     def submit(self, key: Any, prompt: list[int], max_new: int, priority: int = 0,
-               deadline_s: float | None = None) -> asyncio.Queue:  # fmt: skip
-        """Queue a request from the event loop; its events arrive on the returned queue."""
+               deadline_s: float | None = None, ignore_eos: bool = False) -> asyncio.Queue:  # fmt: skip
+        """Queue a request from the event loop; its events arrive on the returned queue.
+        ``ignore_eos`` (vLLM's): it runs to ``max_new`` tokens past the model's stop tokens."""
         if self._draining:
             raise Rejected(503, "the server is shutting down", 1.0)
         if not self.batch.fits(len(prompt), max_new):
@@ -180,7 +182,8 @@ class BatchWorker:
         now = time.perf_counter_ns()
         ticket = Ticket(key=key, priority=priority, arrival_ns=now, prompt_tokens=len(prompt), max_new=max_new,
                         deadline_ns=now + int(deadline_s * 1e9) if deadline_s else None, payload=prompt)  # fmt: skip
-        live = _Live(asyncio.get_running_loop(), asyncio.Queue(), priority=priority)
+        live = _Live(asyncio.get_running_loop(), asyncio.Queue(), priority=priority,
+                     stops=frozenset() if ignore_eos else None)  # fmt: skip
         with self._cond:
             self._levels.setdefault(priority, _Level()).arrived(now / 1e9, len(prompt))
             # may raise Rejected
@@ -226,6 +229,15 @@ class BatchWorker:
         self._thread.join(timeout=5)
 
     # ---- thread side ----------------------------------------------------------------------------
+
+    def _stops(self, key: Any) -> frozenset[int] | None:
+        live = self._live.get(key)
+        return None if live is None else live.stops
+
+    def _done(self, key: Any, token: int) -> tuple:
+        """The finish event of a request whose last token was ``token``."""
+        stops = self._stops(key)
+        return ("done", "stop" if token in (self.batch.stop_ids if stops is None else stops) else "length")
 
     def _emit(self, key: Any, event: tuple) -> None:
         live = self._live.get(key)
@@ -314,10 +326,13 @@ class BatchWorker:
             t0 = time.perf_counter_ns()
             try:
                 if chunked:
-                    self.batch.begin(ticket.key, ticket.payload, ticket.max_new, priority=ticket.priority)
+                    self.batch.begin(ticket.key, ticket.payload, ticket.max_new, priority=ticket.priority,
+                                     stops=self._stops(ticket.key))  # fmt: skip
                     self._started[ticket.key] = (t0 - ticket.arrival_ns) / 1e9
                     continue
-                first, done = self.batch.join(ticket.key, ticket.payload, ticket.max_new)
+                first, done = self.batch.join(
+                    ticket.key, ticket.payload, ticket.max_new, self._stops(ticket.key)
+                )
             except NoRoom:  # back in line, in their places, until running requests finish
                 with self._cond:
                     for t in tickets[i:]:
@@ -330,7 +345,7 @@ class BatchWorker:
             self.scheduler.cost.observe_prefill(ticket.prompt_tokens, (now - t0) / 1e9)
             self._emit(ticket.key, ("token", first, now, (t0 - ticket.arrival_ns) / 1e9))
             if done:
-                self._finish(ticket.key, ("done", "stop" if first in self.batch.stop_ids else "length"))
+                self._finish(ticket.key, self._done(ticket.key, first))
 
     def _left_after(self, plan: StepPlan) -> dict[int, int]:
         """Prompt tokens left to prefill by level once ``plan``'s chunks are computed."""
@@ -452,4 +467,4 @@ class BatchWorker:
             for key, token, done in produced:
                 self._emit(key, ("token", token, now, self._started.pop(key, None)))
                 if done:
-                    self._finish(key, ("done", "stop" if token in self.batch.stop_ids else "length"))
+                    self._finish(key, self._done(key, token))
