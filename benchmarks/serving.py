@@ -67,7 +67,6 @@ import json
 import math
 import os
 from pathlib import Path
-import re
 import statistics
 import sys
 import time
@@ -83,6 +82,7 @@ from variantbench.loadgen.server_process import Running
 from variantbench.models import parse_model, prepare_model
 from variantbench.models.source import default_gguf
 from variantbench.paths import cache_root
+from variantbench.trackers.server_metrics import scrape
 from variantbench.workloads import build_synthetic, parse_lengths
 from variantbench.workloads.counting import tokenizer_counter
 
@@ -204,20 +204,16 @@ def sweep(system: System, url: str, libraries, args: argparse.Namespace, pid: in
             return
 
 
-def _metric_sum(text: str, name: str, model: str) -> tuple[float, float]:
-    def one(suffix: str) -> float:
-        m = re.search(rf'^{name}_{suffix}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    return one("sum"), one("count")
+def _series(url: str) -> dict[str, float]:
+    """The server's /metrics, parsed by the tracker's parser (``trackers.server_metrics``)."""
+    got = scrape(url, timeout_s=10)
+    if "error" in got:
+        raise RuntimeError(f"{got['url']}: {got['error']}")
+    return got["series"]
 
 
 def stack_overhead(url: str, model: str, n: int = 30) -> dict[str, float]:
     """Client e2e of 1-token requests minus the server's own queue wait + compute (from /metrics)."""
-
-    def metrics() -> str:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            return r.read().decode()
 
     def post() -> float:
         body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
@@ -230,13 +226,13 @@ def stack_overhead(url: str, model: str, n: int = 30) -> dict[str, float]:
         return time.perf_counter() - t0
 
     post()
-    before = metrics()
+    before = _series(url)
     e2e = [post() for _ in range(n)]
-    after = metrics()
+    after = _series(url)
     inside = 0.0
     for name in ("variantbench_queue_wait_seconds", "variantbench_compute_seconds"):
-        s0, c0 = _metric_sum(before, name, model)
-        s1, c1 = _metric_sum(after, name, model)
+        s0, c0 = (before.get(f'{name}_{part}{{model="{model}"}}', 0.0) for part in ("sum", "count"))
+        s1, c1 = (after.get(f'{name}_{part}{{model="{model}"}}', 0.0) for part in ("sum", "count"))
         if c1 - c0 != n:
             raise RuntimeError(f"{name}: expected {n} new observations, got {c1 - c0}")
         inside += (s1 - s0) / n
@@ -246,13 +242,9 @@ def stack_overhead(url: str, model: str, n: int = 30) -> dict[str, float]:
 
 def prefix_share(url: str, model: str) -> float | None:
     """Share of prompt tokens our server copied from its prefix cache (from its /metrics)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    counts = {}
-    for source in ("cached", "computed"):
-        m = re.search(rf'^variantbench_prompt_tokens_total{{model="{re.escape(model)}",source="{source}"}} (\S+)$',
-                      text, re.M)  # fmt: skip
-        counts[source] = float(m.group(1)) if m else 0.0
+    series = _series(url)
+    counts = {source: series.get(f'variantbench_prompt_tokens_total{{model="{model}",source="{source}"}}', 0.0)
+              for source in ("cached", "computed")}  # fmt: skip
     total = counts["cached"] + counts["computed"]
     return counts["cached"] / total if total else None
 

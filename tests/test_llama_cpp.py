@@ -194,6 +194,40 @@ def test_continuous_batching_on_llama_cpp_decodes_as_if_alone(
     backend.close()
 
 
+def test_llama_cpp_cache_is_held_within_the_kv_budget(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+    """``--kv-cache-gb`` caps llama.cpp's cache as it caps the torch pool: fewer cells (requests beyond
+    them wait), one line when not even one ``max_len`` request fits, and /metrics' gauge reads it whole."""
+    from variantbench.backends.llama_cpp import LlamaCppBackend
+    from variantbench.serving.batching import KvMemory, batch_for
+    from variantbench.serving.continuous import NoRoom
+
+    monkeypatch.setenv("VARIANTBENCH_CACHE", str(cache))
+    backend = LlamaCppBackend(str(tiny_model_dir), "gguf-f32")
+    backend.load()
+    meta = backend.llm.metadata
+    arch = meta["general.architecture"]
+    heads, kv_heads = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.attention.head_count_kv"])
+    width = kv_heads * int(meta[f"{arch}.embedding_length"]) // heads
+    per_token = int(meta[f"{arch}.block_count"]) * width * 2 * 2  # K and V, f16 cells
+    whole = batch_for(backend, max_batch=4, max_len=64)
+    assert isinstance(whole, KvMemory) and whole.bytes_per_token == per_token
+    assert (
+        whole.kv_tokens == 4 * 64 and whole.kv_resident_bytes == 256 * per_token and whole.capped_by is None
+    )
+    whole.close()
+    capped = batch_for(backend, max_batch=4, max_len=64, kv_cache_gb=100 * per_token / 2**30)
+    assert capped.kv_tokens == 100 and "capped by --kv-cache-gb" in capped.describe()
+    capped.join("a", list(range(3, 23)), 40, stops=frozenset())  # 60 of the 100 cells reserved
+    with pytest.raises(NoRoom):
+        capped.join("b", list(range(30, 50)), 40)  # waits: the worker keeps it queued
+    capped.leave("a")
+    capped.join("b", list(range(30, 50)), 40)  # room again
+    capped.close()
+    with pytest.raises(UserError, match="less than one request of --max-len 64"):
+        batch_for(backend, max_batch=4, max_len=64, kv_cache_gb=30 * per_token / 2**30)
+    backend.close()
+
+
 def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
     tiny_model_dir: Path, cache: Path, monkeypatch
 ) -> None:
@@ -212,7 +246,10 @@ def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
     stem = "Read the report of the mayor of the town and answer the question that follows it"
     texts = {"a": stem + ": who won?", "b": "The river", "c": stem + ": when?", "d": stem + ": when? Why?"}
     prompts = {k: encode_request(tok, GenerationRequest(k, prompt=t)) for k, t in texts.items()}
-    want = {k: backend.generate([GenerationRequest(k, prompt=t, max_new_tokens=8)])[0].text for k, t in texts.items()}
+    want = {
+        k: backend.generate([GenerationRequest(k, prompt=t, max_new_tokens=8)])[0].text
+        for k, t in texts.items()
+    }
     batch = batch_for(backend, max_batch=4, max_len=128, prefill_chunk=8, prefix_cache_mb=1)
     batch.stop_ids = frozenset()
     got: dict[str, list[int]] = {}
@@ -242,8 +279,12 @@ def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
         run()
     assert batch.prompt_tokens["cached"] > 10
     batch.begin("d", prompts["d"], 8)  # c has finished: its kept keys/values are taken over
-    shared = next(i for i, (x, y) in enumerate(zip(prompts["c"] + [-1], prompts["d"], strict=False)) if x != y)
-    assert shared > 10 and {p.key: p.left for p in batch.pending_prefills()}["d"] == len(prompts["d"]) - shared
+    shared = next(
+        i for i, (x, y) in enumerate(zip(prompts["c"] + [-1], prompts["d"], strict=False)) if x != y
+    )
+    assert (
+        shared > 10 and {p.key: p.left for p in batch.pending_prefills()}["d"] == len(prompts["d"]) - shared
+    )
     while batch.active:
         run()
     assert batch.prompt_tokens["computed"] - computed < sum(len(prompts[k]) for k in "bcd") - 20
@@ -261,7 +302,9 @@ def test_llama_cpp_batch_prefills_in_chunks_beside_the_rows_and_reuses_prefixes(
     backend.close()
 
 
-def test_a_gguf_variant_is_served_with_the_engines_greedy_text(tiny_model_dir: Path, cache: Path, monkeypatch) -> None:
+def test_a_gguf_variant_is_served_with_the_engines_greedy_text(
+    tiny_model_dir: Path, cache: Path, monkeypatch
+) -> None:
     """The whole serving path on llama.cpp (warm-up, chunked prefill, prefix reuse, HTTP), as
     ``variantbench serve --variants gguf-f32`` runs it: concurrent clients get what the engine
     gives each prompt alone, and /metrics counts the prompt tokens the kept prefixes served."""
@@ -297,7 +340,9 @@ def test_a_gguf_variant_is_served_with_the_engines_greedy_text(tiny_model_dir: P
             assert got == want
             assert ask(chats[0]) == want[0]  # again, from its kept prefix
             metrics = client.get("/metrics").text
-            cached = re.search(r'variantbench_prompt_tokens_total\{model="gguf-f32",source="cached"\} (\S+)', metrics)
+            cached = re.search(
+                r'variantbench_prompt_tokens_total\{model="gguf-f32",source="cached"\} (\S+)', metrics
+            )
             assert cached and float(cached.group(1)) >= len(prompts[0]) // 2
     finally:
         for m in models.values():

@@ -6,7 +6,8 @@ A new engine that can be served is one more entry here.
 - ``torch`` (our decoder): ``PagedBatch`` (a paged KV cache, the default) or ``ContinuousBatch``
   (one contiguous cache), chunked prefill beside the decode rows and, when ``prefix_cache_mb`` > 0,
   prefix caching.
-- ``llama.cpp``: ``LlamaCppBatch``, up to ``max_batch`` sequences per ``llama_decode``, with the same
+- ``llama.cpp``: ``LlamaCppBatch`` (its cache within the same ``--kv-cache-gb`` budget), up to
+  ``max_batch`` sequences per ``llama_decode``, with the same
   chunked prefill (prompt tokens ride in the decode rows' call) and prefix reuse (finished prompts'
   keys/values kept under their sequence ids; ``prefix_cache_mb`` 0 turns it off).
 """
@@ -102,13 +103,15 @@ def _torch(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefi
 
 def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
                kv_cache: str = "paged", kv_cache_gb: float | None = None) -> Any:  # fmt: skip
+    from variantbench.serving.kv_budget import budget_bytes
     from variantbench.serving.llama_cpp_batch import LlamaCppBatch
 
     if backend.llm is None:
         raise RuntimeError("a batch for a backend that is not loaded")
     return LlamaCppBatch(backend.llm, max_batch=max_batch, max_len=min(max_len, backend.n_ctx),
                          stop_ids=backend.stop_ids, threads=backend.thread_count(), prefill_chunk=prefill_chunk,
-                         cache_seqs=8 if prefix_cache_mb > 0 else 0)  # fmt: skip
+                         cache_seqs=8 if prefix_cache_mb > 0 else 0,
+                         kv_budget=budget_bytes(kv_cache_gb, "cpu"))  # fmt: skip
 
 
 BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_cpp}

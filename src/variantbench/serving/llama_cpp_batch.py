@@ -30,6 +30,12 @@ decode steps of 8 / 16 / 32 rows took 57.8 / 125.8 / 319.6 ms without, 36.3 / 69
 (one row 8.9 against 7.0 ms), and 64-token chat prompts prefilled ~15% faster. Split (per-sequence)
 caches instead (``kv_unified`` off) took 61.5 / 127.7 / 216.8 ms and cannot share a running
 request's prefix cells (llama.cpp copies only whole streams between sequences).
+
+Memory: llama.cpp allocates its cache whole when the context is made and clears it (so it is
+resident at once), ``kv_tokens`` cells of K and V for every layer in the context's cache type (f16
+by default). So the cache holds the worst case (``max_batch x max_len``, at most 32,768 cells)
+only within the same budget as the torch engine's pool (``--kv-cache-gb``, else 80% of the memory
+available at start, ``kv_budget.py``), and ``kv_resident_bytes`` (``/metrics``) reports it whole.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numpy as np
 
 from variantbench.compute import on_compute
 from variantbench.serving.continuous import NoRoom, check_join
+from variantbench.serving.kv_budget import cache_blocks
 from variantbench.serving.scheduler import Pending, StepPlan
 
 
@@ -68,6 +75,21 @@ class _Seq:
         return self.prompt[: self.done] + (self.tokens[:-1] if not self.prefilling else [])
 
 
+# bytes per element of llama.cpp's cache types (ggml_type): f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, bf16
+_TYPE_BYTES = {0: 4.0, 1: 2.0, 2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32, 8: 34 / 32, 30: 2.0}
+
+
+def kv_bytes_per_token(llm: Any, params: Any) -> int:
+    """Bytes of one cache cell: K and V of every layer's KV heads in the context's ``type_k``/``type_v``."""
+    import llama_cpp
+
+    model = llm._model.model
+    layers, heads = llama_cpp.llama_model_n_layer(model), llama_cpp.llama_model_n_head(model)
+    width = llama_cpp.llama_model_n_head_kv(model) * (llama_cpp.llama_model_n_embd(model) // max(1, heads))
+    per = _TYPE_BYTES.get(int(params.type_k), 2.0) + _TYPE_BYTES.get(int(params.type_v), 2.0)
+    return int(layers * width * per)
+
+
 def _common(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     i = 0
@@ -88,6 +110,7 @@ class LlamaCppBatch:
         kv_tokens: int | None = None,
         prefill_chunk: int = 256,
         cache_seqs: int = 8,
+        kv_budget: tuple[int, str] | None = None,
     ) -> None:
         import llama_cpp
         from llama_cpp import _internals
@@ -95,14 +118,20 @@ class LlamaCppBatch:
         self.max_batch = max_batch
         self.max_len = max_len
         self.stop_ids = frozenset(stop_ids)
-        self.kv_tokens = kv_tokens or min(max_len * max_batch, 32768)
+        params = type(llm.context_params).from_buffer_copy(llm.context_params)
+        self.bytes_per_token = kv_bytes_per_token(llm, params)
+        worst = kv_tokens or min(max_len * max_batch, 32768)
+        # a budget caps the worst case (at least one request of max_len, else one line saying so)
+        self.kv_tokens = (
+            cache_blocks(worst, self.bytes_per_token, 1, max_len, kv_budget) if kv_budget else worst
+        )
+        self.capped_by = kv_budget[1] if kv_budget and self.kv_tokens < worst else None
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.cache_seqs = max(0, int(cache_seqs))
         # one llama batch holds a step: every decode row and the prompt chunks of a plan (a plan's
         # urgent prompt may take up to prefill_chunk beside the rows); join prefills in such chunks
         self.n_batch = self.prefill_chunk + max_batch
         # the model's own context settings (flash attention, rope, ...) with room for max_batch sequences
-        params = type(llm.context_params).from_buffer_copy(llm.context_params)
         params.n_ctx = self.kv_tokens
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
@@ -144,8 +173,16 @@ class LlamaCppBatch:
         """Positions whose keys/values the running requests hold (retained prompts not counted)."""
         return sum(len(s.fed()) for s in self.slots)
 
+    @property
+    def kv_resident_bytes(self) -> int:
+        """The whole cache: llama.cpp allocates and clears it when the context is made."""
+        return self.kv_tokens * self.bytes_per_token
+
     def describe(self) -> str:
-        return f"llama.cpp KV cache of {self.kv_tokens} tokens, up to {self.cache_seqs} finished prompts kept"
+        kv = f"llama.cpp KV cache of {self.kv_tokens:,} tokens ({self.kv_resident_bytes / 1e9:.2f} GB, allocated whole)"
+        if self.capped_by:
+            kv += f" (capped by {self.capped_by}, under {self.max_batch} x {self.max_len}; requests beyond it wait for room)"
+        return kv + f", up to {self.cache_seqs} finished prompts kept"
 
     def fits(self, prompt_len: int, max_new: int) -> bool:
         return prompt_len + max_new <= min(self.max_len, self.kv_tokens)
