@@ -41,6 +41,9 @@ at 0.24/s 72% and 85% (p99 344 ms, batch class 1.05x alone; FIFO p99 4,173 ms), 
 session 67% and 77% (p99 393 ms): the busy share alone moves a few points between runs of the same
 rate, so 0.26/s: 74% and 84% (p99 327 ms, batch class 1.02x alone; FIFO p99 5,836 ms). With ~42
 interactive requests a phase the p99 is their slowest. On a faster host raise the rates: the goals are the same.
+Answers run to ``max_tokens`` (``ignore_eos``; ``--stop-at-eos`` lets them end): the workload the
+issue states, the same in every phase. With it at 0.26/s: 74% busy alone, 87% mixed, batch class
+29.0 tokens/s in every phase (26.5 when answers could end early), interactive p99 341 ms, FIFO 6,805 ms.
 
 ``--model``/``--serve-args "--device cuda"`` run it on a GPU (issue 21, an H200, fp32, the default
 model's architecture with random weights, batch 0.68/s and interactive 1.36/s, 42 s a phase):

@@ -22,7 +22,15 @@ minute 5, interactive TTFT p99 320-397 ms in every window, window means 3.17-3.9
 +7.3% of their mean; trend +3.6% a window, p = 0.22): the harness's rule holds for its last three
 windows (3.70, 3.92, 3.93 s), not for all five. ``priority.py``'s batch rate then rose to 0.24/s
 (72% busy alone) and 0.26/s (74%), so the default is 0.18/s, 70% of it. Every 10 s the server's resident memory
-(psutil, the process and its children) and the KV bytes its batch holds (/metrics) are sampled.
+(psutil, the process and its children), the KV bytes its batch holds and its busy seconds (/metrics)
+are sampled.
+
+New prompt text in each window still changed the work: the model ended answers at its end-of-text
+token wherever the text led it (6 of 16 batch answers at 67-111 of 128 tokens, interactive ones at
+10-32 of 32), so answers now run to ``max_tokens`` (``ignore_eos``) and every window holds the same
+output tokens (7,552 at the defaults). What still moves a window's mean is printed beside it: the
+server's compute time for that same work (the host's speed; a server slowing down would show as a
+trend in both) and how the means follow it.
 
 Goals (issue 21): zero errors; RSS growth under 5% from minute 5 to the end, less the KV cache that
 follows the live tokens by design (``report_memory`` says why; raw figures printed too); per-window latency
@@ -54,15 +62,15 @@ from priority import (  # this folder's: the same client and streams
     percentile,
     rss_mb,
     schedule,
-    scraped,
 )
-from scipy.stats import linregress
+from scipy.stats import linregress, pearsonr
 
 from variantbench.environment import cpu_summary
 from variantbench.loadgen.noop_server import free_port
 from variantbench.loadgen.server_process import Running
 from variantbench.metrics.windows import Window, stable
 from variantbench.models import parse_model, prepare_model
+from variantbench.trackers.server_metrics import scrape
 from variantbench.workloads.counting import tokenizer_counter
 from variantbench.workloads.lengths import LengthDistribution, parse_lengths
 from variantbench.workloads.synthetic import build_synthetic
@@ -107,6 +115,7 @@ class Sample:
     t: float  # seconds since the load began
     rss: float  # MiB, the server and its children
     kv: float  # MiB of keys/values the batch holds resident (/metrics)
+    busy: float = 0.0  # seconds the model has computed since the server started (/metrics)
 
     @property
     def rest(self) -> float:
@@ -115,8 +124,20 @@ class Sample:
 
 def memory(srv: Running, model: str, t: float) -> Sample:
     assert srv.proc is not None
-    kv = scraped(srv.url, "variantbench_kv_resident_bytes", model) / 2**20
-    return Sample(t, rss_mb(srv.proc.pid), kv)
+    got = scrape(srv.url, timeout_s=10)
+    series = got.get("series", {})
+    kv = series.get(f'variantbench_kv_resident_bytes{{model="{model}"}}', 0.0) / 2**20
+    busy = series.get(f'variantbench_busy_seconds_total{{model="{model}"}}', 0.0)
+    return Sample(t, rss_mb(srv.proc.pid), kv, busy)
+
+
+def busy_between(samples: list[Sample], start: float, end: float) -> float:
+    """Seconds the model computed between two moments of the run (the samples nearest to them)."""
+    if not samples:
+        return math.nan
+    a = min(samples, key=lambda x: abs(x.t - start))
+    b = samples[-1] if math.isinf(end) else min(samples, key=lambda x: abs(x.t - end))
+    return b.busy - a.busy
 
 
 def report_memory(samples: list[Sample], idle_start: Sample, idle_end: Sample, warm_s: float, width: float,
@@ -231,10 +252,11 @@ def main() -> None:
 
     ws: list[Window] = []
     print(
-        "\n| window (min) | requests | output tokens | interactive TTFT p99 ms | interactive latency p99 s "
-        "| batch latency p99 s | mean latency s |"
+        "\n| window (min) | requests | output tokens | server busy s | interactive TTFT p99 ms "
+        "| interactive latency p99 s | batch latency p99 s | mean latency s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    busy_s: list[float] = []
     start = warm_s
     while start + width <= duration + 1e-9:
         inside = [o for o in outcomes if o.status == 200 and start <= o.sent_s < start + width and o.done_s]
@@ -245,8 +267,10 @@ def main() -> None:
         mean = statistics.fmean(lat) if lat else None
         ws.append(Window(len(ws), len(inside), None, percentile(lat, 0.99) * 1e3 if lat else None,
                          mean * 1e3 if mean else None, None, None))  # fmt: skip
+        last = start + 2 * width > duration + 1e-9  # its work runs on into the drain: counted to the end
+        busy_s.append(busy_between(samples, start, math.inf if last else start + width))
         print(f"| {start / 60:g}-{(start + width) / 60:g} | {len(inside)} | {sum(o.tokens for o in inside)} | "
-              f"{percentile(it, 0.99) * 1e3:.0f} | "
+              f"{busy_s[-1]:.0f} | {percentile(it, 0.99) * 1e3:.0f} | "
               f"{percentile(il, 0.99):.2f} | {percentile(bl, 0.99):.2f} | {mean or math.nan:.2f} |")  # fmt: skip
         start += width
     # The harness's rule judges its last three windows (a run's steady state); a soak looks for drift
@@ -259,6 +283,13 @@ def main() -> None:
         fit = linregress(range(len(means)), means)
         print(f"\nwindow means {min(means) / centre - 1:+.1%} to {max(means) / centre - 1:+.1%} of their mean; "
               f"linear trend {fit.slope / centre:+.1%} of it per window (p = {fit.pvalue:.2f})")  # fmt: skip
+        if args.schedule == "repeat" and len(busy_s) == len(means):
+            # the same work in every window: its compute time is the host's speed (the server's own
+            # slowdown would show as a trend in both); the mean latency follows it through the queue
+            spread = statistics.fmean(busy_s)
+            r = pearsonr(busy_s, means)
+            print(f"the same work in every window took {min(busy_s) / spread - 1:+.1%} to {max(busy_s) / spread - 1:+.1%} "
+                  f"of its mean compute time; window means against it: r = {r.statistic:.2f} (p = {r.pvalue:.2f})")  # fmt: skip
     print(f"windows stable by the harness's rule (its last three within 10% of their mean): "
           f"{'n/a (fewer than 3 windows)' if harness is None else harness}; every window: "
           f"{'n/a' if every is None else every}")  # fmt: skip
