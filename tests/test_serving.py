@@ -361,14 +361,43 @@ def test_batch_size_adapts_to_what_a_row_more_still_buys() -> None:
     assert 8 < limit < 32
     rate = [n / (0.040 + 0.005 * n) for n in (limit, limit + 1)]
     assert rate[1] < rate[0] * 1.02  # the next row would add under 2% tokens/s
-    linear = StepCost()  # each row costs as much as a batch of one (llama.cpp's CPU kernels here)
-    for n, s in [(1, 0.0125), (2, 0.023), (4, 0.043), (8, 0.0835), (16, 0.204)]:
+    linear = StepCost()  # each row costs as much as a batch of one (llama.cpp before flash attention)
+    for n, s in [(1, 0.0125), (2, 0.025), (4, 0.050), (8, 0.101), (16, 0.204)]:
         linear.observe(n, s)
     assert linear.useful_batch(32) == 1
     # sizes seen long ago keep counting: a thousand steps at batch 1 do not erase what batch 16 cost
     for _ in range(1000):
         linear.observe(1, 0.0125)
     assert linear.useful_batch(32) == 1 and 16 in linear.by_size
+
+
+def test_batch_size_counts_what_a_request_costs_alone() -> None:
+    """A prompt the batch does not share weighs against the rows: the default GGUF's costs through
+    llama.cpp (a 5.1, b 5.8 ms a row and step, 3.6 ms a prompt token) batch 7 rows for decode
+    tokens/s, but with 90-token prompts and 37-token answers a fifth row adds under 2% requests/s."""
+    from variantbench.serving.scheduler import RequestMix, Scheduler, StepCost
+
+    cost = StepCost()
+    for n in (1, 2, 4, 8, 16):
+        cost.observe(n, 0.0058 + 0.0051 * n)
+    assert cost.useful_batch(32) == 7
+    assert cost.useful_batch(32, prefill_s=90 * 0.0036, answer_tokens=37) == 4
+    assert cost.useful_batch(32, prefill_s=0.0, answer_tokens=37) == 7  # no prompt: tokens/s
+    # the scheduler's typical request: the tokens/s rule until an answer is seen, then its costs
+    sched = Scheduler(max_batch=32)
+    sched.cost = cost
+    cost.observe_prefill_alone(90, 0.0058 + 90 * 0.0036)
+    sched.mix.prompted(90)
+    assert sched.useful_batch() == 7
+    for _ in range(3):
+        sched.mix.answered(37)
+    assert sched.cost.prefill_marginal_s == pytest.approx(0.0036, rel=0.05)
+    assert sched.useful_batch() == 4
+    # a chunked prompt's tokens over steps, its completion in the last: 90 a request
+    mix = RequestMix()
+    for tokens, done in [(64, 0), (26, 1), (64, 0), (64, 0), (52, 2)]:
+        mix.prompted(tokens, done)
+    assert mix.prompt_tokens == pytest.approx(90, rel=0.05) and mix.answer_tokens is None  # decayed
 
 
 def test_a_long_running_worker_keeps_only_its_recent_steps(decoder, monkeypatch) -> None:  # noqa: ANN001

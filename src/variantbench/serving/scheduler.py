@@ -10,7 +10,8 @@
   (BentoML's adaptive batching fits the same shape); with a request's prompt and output length it
   estimates when the request would finish, so one that cannot meet its deadline is shed at once
   (HTTP 503 with Retry-After) instead of wasting a batch slot. The same fit sizes the batch: rows
-  are added only while one more row still raises the tokens/s (``useful_batch``).
+  are added only while one more row still raises the requests/s, a request costing its own prefill
+  and its share of the decode steps (``useful_batch``, with the typical request of ``RequestMix``).
 
 * Time to first token per level (``ttft_slo_ms``, the seeds' "99% of interactive requests within
   500 ms"): once a long prompt's prefill chunks run, an urgent request that arrives waits for the
@@ -75,8 +76,15 @@ class Ticket:
 @dataclass
 class StepCost:
     """One model of a step's time for every kind of step: time = b + a x decode rows + c x prompt tokens,
-    non-negative least squares (scipy's nnls) over the recent mean time of each step shape (decode rows,
-    16-token bucket of prompt tokens), so shapes seen long ago still count once a cap keeps the batch small.
+    non-negative least squares (scipy's nnls) of the relative error over the recent mean time of each
+    step shape (decode rows, 16-token bucket of prompt tokens), so shapes seen long ago still count once
+    a cap keeps the batch small.
+
+    Why relative: the host's noise scales with a step's time, and prompt steps take 30-80x a decode
+    step. Fitted on absolute error, the step log of our server on the default GGUF at 1.6 req/s
+    (llama.cpp, 2 AVX-512 cores) swung between a 9.0 / b 0 ms (the batch held to one row: every row
+    looked as dear as a batch) and a 4.3 / b 21 ms (14 rows) within the run; on relative error the same
+    steps give a 5.0-5.3, b 5.5-6.5, c 3.2-3.9 ms from the 120th step on.
 
     Why one model and not a decode fit and a prefill fit: the fixed cost ``b`` (every weight read
     once) is the same whether a step decodes rows or prefills a prompt alone, so each kind of step
@@ -120,7 +128,10 @@ class StepCost:
         while len(names) > 1 and np.linalg.matrix_rank(design) < len(names):
             drop = names.index("a") if "a" in names else len(names) - 1
             design, names = np.delete(design, drop, axis=1), names[:drop] + names[drop + 1 :]
-        coef, _ = nnls(design, points[:, 2])
+        # relative errors: the host's noise is proportional to a step's time (10-40% here), so an
+        # unweighted fit let the 0.3-0.7 s prompt steps' noise set the 5-10 ms decode terms
+        weight = 1 / np.maximum(points[:, 2], 1e-4)
+        coef, _ = nnls(design * weight[:, None], points[:, 2] * weight)
         fitted = dict(zip(names, coef.tolist(), strict=True))
         self.a, self.b, self.c = fitted.get("a", 0.0), fitted.get("b", 0.0), fitted.get("c", 0.0)
 
@@ -135,19 +146,33 @@ class StepCost:
     def observe_prefill_alone(self, tokens: int, seconds: float) -> None:
         self.observe_step(0, tokens, seconds)
 
-    def useful_batch(self, max_batch: int, min_gain: float = 0.02) -> int:
-        """The largest batch worth running: beyond it one more row raises tokens/s by less than
-        ``min_gain``. An engine whose step costs n times one row's (b = 0, llama.cpp's CPU kernels
-        here) gets 1: batching it only makes every request share the time, so each finishes later.
-        Until two batch sizes have been seen the limit is ``max_batch`` (the model is still learning)."""
+    def useful_batch(self, max_batch: int, min_gain: float = 0.02, prefill_s: float = 0.0,
+                     answer_tokens: float = 1.0) -> int:  # fmt: skip
+        """The largest batch worth running: beyond it one more row raises the requests/s by less than
+        ``min_gain``, a request costing ``prefill_s`` of its own (its prompt: the batch does not
+        share it) and ``answer_tokens`` decode steps shared by the rows. With no prefill this is the
+        decode tokens/s. An engine whose step costs n times one row's (b = 0) gets 1: batching it
+        only makes every request share the time, so each finishes later. Until two batch sizes have
+        been seen the limit is ``max_batch`` (the model is still learning).
+
+        Why the prefill counts: every row in the batch stretches every other row's steps, so a row
+        that adds little throughput adds only latency. On the default GGUF through llama.cpp (2
+        AVX-512 cores) a prompt token costs 3.2-3.8 ms in any chunk of 8 or more, as much as a row of
+        a big decode step, so a request's ~90 computed prompt tokens (0.3 s) outweigh its ~37 decode
+        steps' share (a 5.1, b 5.8 ms): decode tokens/s grows by 2% a row up to 7 rows, requests/s
+        only up to 4-5. A queue simulation of that server's costs and answer lengths, 60 Poisson
+        requests at 1.8/s, 40 schedules: the slowest request took 6.8 s (median) at 4 rows, 8.4 s at
+        8 and 11.2 s with 32, the batch acting as a processor share in which the longest answers
+        wait for every newcomer's prompt."""
         if len(self.by_size) < 2 or self.a <= 0:
             return max_batch
+        decode = max(answer_tokens, 1.0)
+
+        def rate(n: int) -> float:  # requests/s with n rows
+            return 1 / (prefill_s + decode * (self.a * n + self.b) / n)
+
         n = 1
-        while n < max_batch:
-            rate_n = n / (self.a * n + self.b)
-            rate_next = (n + 1) / (self.a * (n + 1) + self.b)
-            if rate_next < rate_n * (1 + min_gain):
-                break
+        while n < max_batch and rate(n + 1) >= rate(n) * (1 + min_gain):
             n += 1
         return n
 
@@ -198,6 +223,35 @@ class StepCost:
         return len(self.samples) >= 3
 
 
+@dataclass
+class RequestMix:
+    """The typical recent request: prompt tokens computed (the prefix cache's share not counted) and
+    answer tokens, as decayed means over about the last 30 requests (``decay`` per request), for
+    ``StepCost.useful_batch``. Tokens, not seconds: the cost model's price per token moves as it learns."""
+
+    decay: float = 0.97
+    _prompt: tuple[float, float] = (0.0, 0.0)  # decayed (tokens, requests)
+    _answer: tuple[float, float] = (0.0, 0.0)
+
+    def prompted(self, tokens: int, requests: int = 1) -> None:
+        """``tokens`` prompt tokens computed, in a step where ``requests`` prompts were completed (a
+        chunked prompt's tokens come over several steps, its completion in one)."""
+        keep = self.decay**requests
+        self._prompt = (self._prompt[0] * keep + tokens, self._prompt[1] * keep + requests)
+
+    def answered(self, tokens: int) -> None:
+        self._answer = (self._answer[0] * self.decay + tokens, self._answer[1] * self.decay + 1)
+
+    @property
+    def prompt_tokens(self) -> float:
+        return self._prompt[0] / self._prompt[1] if self._prompt[1] else 0.0
+
+    @property
+    def answer_tokens(self) -> float | None:
+        """None until a request has finished."""
+        return self._answer[0] / self._answer[1] if self._answer[1] else None
+
+
 class Scheduler:
     def __init__(self, policies: dict[int, QueuePolicy] | None = None, default: QueuePolicy | None = None,
                  aging_ms: float = 1000.0, max_batch: int = 32) -> None:  # fmt: skip
@@ -207,6 +261,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefill_chunk: int | None = None  # prompt tokens per step (None: a prompt in one step)
         self.cost = StepCost()
+        self.mix = RequestMix()
         self._waiting: list[Ticket] = []  # order is decided at pop time (aging changes it)
         self._counts: dict[int, int] = {}
         self._seq = itertools.count()
@@ -222,6 +277,16 @@ class Scheduler:
 
     def queued_by_level(self) -> dict[int, int]:
         return {level: n for level, n in sorted(self._counts.items()) if n}
+
+    def useful_batch(self) -> int:
+        """The batch size worth running for the recent requests (``StepCost.useful_batch``): their
+        prompts priced at the cost model's marginal prompt token; until one has finished, the size
+        that still raises the decode tokens/s."""
+        answer = self.mix.answer_tokens
+        if answer is None:
+            return self.cost.useful_batch(self.max_batch)
+        prefill_s = self.mix.prompt_tokens * self.cost.prefill_marginal_s
+        return self.cost.useful_batch(self.max_batch, prefill_s=prefill_s, answer_tokens=answer)
 
     # ---- admission ------------------------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class _Live:
     cancelled: bool = False
     priority: int = 0
     stops: frozenset[int] | None = None  # None: the model's stop tokens; empty: ``ignore_eos``
+    tokens: int = 0  # sent so far
 
 
 class BatchWorker:
@@ -242,6 +243,7 @@ class BatchWorker:
     def _emit(self, key: Any, event: tuple) -> None:
         live = self._live.get(key)
         if live is not None:
+            live.tokens += event[0] == "token"
             self._outbox.setdefault(live.loop, []).append((live.events, event))
 
     def _flush(self) -> None:
@@ -260,6 +262,8 @@ class BatchWorker:
             self._started.pop(key, None)
         self.batch.leave(key)
         if live is not None:
+            if event[0] == "done":  # the batch's sizing learns the answers' length
+                self.scheduler.mix.answered(live.tokens)
             self._outbox.setdefault(live.loop, []).append((live.events, event))
 
     def _take(self) -> tuple[list[Ticket], list[tuple[Ticket, str]], list[Any]] | None:
@@ -276,16 +280,23 @@ class BatchWorker:
             now = time.perf_counter_ns()
             expired = self.scheduler.expire(now)
             tickets: list[Ticket] = []
-            limit = self.scheduler.cost.useful_batch(self.batch.max_batch)  # adaptive: what still pays
+            limit = self.scheduler.useful_batch()  # adaptive: what still pays
+
+            # the levels of the rows in the batch (its priority, not its aged place in the queue)
+            levels = [self._live[key].priority for key in self.batch.keys() if key in self._live]
 
             def allowed(t: Ticket) -> bool:
-                # a request with a first-token objective joins even beyond the size that still pays,
-                # and past an older one held back by that size: a 30-minute soak deadlocked when an
-                # aged batch request at the head kept the interactive ones behind it out of the batch
-                # while the batch's prompts waited for them (every TTFT 500+ s, the server 40% busy)
-                return (
-                    self.batch.active + len(tickets) < limit
-                    or self.scheduler.policy(t.priority).ttft_slo_ms is not None
+                # a request with a first-token objective joins even beyond the size that still pays
+                # when less urgent rows hold the batch, and past an older one held back by that
+                # size: a 30-minute soak deadlocked when an aged batch request at the head kept the
+                # interactive ones behind it out of the batch while the batch's prompts waited for
+                # them (every TTFT 500+ s, the server 40% busy). Among rows of its own level it
+                # waits for a row to end, as every request does: letting each one in at once made
+                # the batch a processor share in which the longest answers waited for every
+                # newcomer's prompt (see ``StepCost.useful_batch``)
+                return self.batch.active + len(tickets) < limit or (
+                    self.scheduler.policy(t.priority).ttft_slo_ms is not None
+                    and any(level > t.priority for level in levels)
                 )
 
             while self.batch.active + len(tickets) < self.batch.max_batch:
@@ -343,6 +354,7 @@ class BatchWorker:
                 continue
             now = time.perf_counter_ns()
             self.scheduler.cost.observe_prefill(ticket.prompt_tokens, (now - t0) / 1e9)
+            self.scheduler.mix.prompted(ticket.prompt_tokens)
             self._emit(ticket.key, ("token", first, now, (t0 - ticket.arrival_ns) / 1e9))
             if done:
                 self._finish(ticket.key, self._done(ticket.key, first))
@@ -379,7 +391,7 @@ class BatchWorker:
         (running x gap) than the newcomer gains (one step at the fitted cost a x (n+1) + b), and
         never longer than ``max_wait_ms``. An idle model is never held: a lone request starts at once.
         """
-        limit = self.scheduler.cost.useful_batch(self.batch.max_batch)
+        limit = self.scheduler.useful_batch()
         if running == 0 or running >= limit or not self.scheduler.cost.known:
             return 0.0
         gap = self._gap_s
@@ -464,7 +476,13 @@ class BatchWorker:
             for listener in self.step_listeners:
                 listener(size, seconds, prompt_tokens)
             now = time.perf_counter_ns()
+            firsts = 0
             for key, token, done in produced:
-                self._emit(key, ("token", token, now, self._started.pop(key, None)))
+                waited = self._started.pop(key, None)
+                firsts += waited is not None
+                self._emit(key, ("token", token, now, waited))
                 if done:
                     self._finish(key, self._done(key, token))
+            # chunked prefill: a prompt's tokens come over steps, its end in one
+            if prompt_tokens or firsts:
+                self.scheduler.mix.prompted(prompt_tokens, firsts)
