@@ -228,9 +228,12 @@ class StepCost:
 
 @dataclass
 class RequestMix:
-    """The typical recent request: prompt tokens computed (the prefix cache's share not counted) and
-    answer tokens, as decayed means over about the last 30 requests (``decay`` per request), for
-    ``StepCost.useful_batch``. Tokens, not seconds: the cost model's price per token moves as it learns."""
+    """The typical recent request: its prompt tokens and answer tokens, as decayed means over about the
+    last 30 requests (``decay`` per request), for ``StepCost.useful_batch``. Tokens, not seconds: the
+    cost model's price per token moves as it learns. The prompt tokens are the ones the cost model
+    prices: those computed in chunked batches (the prefix cache's share not counted), the whole prompt
+    where a prompt is prefilled at join (whose price, ``prefill_s_per_token``, is per whole prompt
+    token, so the product is the request's prefill seconds either way)."""
 
     decay: float = 0.97
     _prompt: tuple[float, float] = (0.0, 0.0)  # decayed (tokens, requests)
