@@ -2,7 +2,7 @@
 
     python benchmarks/soak.py [--minutes 30] [--interactive-rate 0.25] [--batch-rate 0.18]
                               [--variant smooth+int8:act=token] [--window-min 5] [--seed 0]
-                              [--schedule repeat|poisson]
+                              [--schedule repeat|poisson] [--records FILE.jsonl]
 
 One ``variantbench serve`` process on 127.0.0.1 gets both Poisson streams of ``priority.py``
 (interactive priority 0, batch priority 1) for ``--minutes``. By default (``--schedule repeat``)
@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from dataclasses import dataclass
+import json
 import math
 import os
 import random
@@ -197,6 +199,9 @@ def main() -> None:
     ap.add_argument("--schedule", choices=["repeat", "poisson"], default="repeat",
                     help="repeat: one window's arrivals and prompt lengths offered in every window; "
                          "poisson: one draw over the whole run")  # fmt: skip
+    ap.add_argument("--records", default=None,
+                    help="write every request's outcome as a JSON line here (times on the monotonic "
+                         "clock, as the server's VARIANTBENCH_STEP_LOG writes its steps)")  # fmt: skip
     args = ap.parse_args()
     if args.minutes <= args.warmup_min:
         ap.error("--minutes must exceed --warmup-min")
@@ -232,6 +237,7 @@ def main() -> None:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        origin = time.monotonic()  # the drive's own clock starts here (within a millisecond)
         outcomes = asyncio.run(drive(srv.url, args.variant, [
             ("batch", b_times, batch, args.batch_tokens, 1),
             ("interactive", i_times, interactive, args.interactive_tokens, 0),
@@ -243,6 +249,11 @@ def main() -> None:
         time.sleep(5.0)  # every request has finished: the batch is empty
         idle_end = memory(srv, args.variant, time.perf_counter() - t0)
 
+    if args.records:  # where a window's latency went, with the server's step log beside it
+        with open(args.records, "w", encoding="utf-8") as out:
+            for o in outcomes:
+                row = {**dataclasses.asdict(o), "origin_monotonic_s": round(origin, 4)}
+                out.write(json.dumps(row) + "\n")
     errors = [o for o in outcomes if o.status != 200]
     print(f"\n{len(outcomes)} requests, {len(errors)} errors, server busy {busy:.0%}")
     if errors:
