@@ -48,7 +48,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
     from variantbench.models import parse_model, prepare_model
     from variantbench.variants.measure import param_bytes
 
@@ -83,7 +83,7 @@ def main() -> None:
                 pad_token_id=tokenizer.eos_token_id,
             )  # fmt: skip
 
-    decoder = LlamaDecoder(model)  # its own copy of the weights, in its own layout
+    decoder = Decoder(model)  # its own copy of the weights, in its own layout
     gc.collect()
 
     # This machine's speed drifts (shared host); ours and generate are measured interleaved, prompt by

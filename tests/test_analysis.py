@@ -214,11 +214,11 @@ def test_diagnosis_finds_a_planted_slow_operator_family(tiny_model_dir: Path) ->
     from transformers import AutoModelForCausalLM
 
     from variantbench.analysis.diagnosis import explain, profile_decoder
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    base = profile_decoder(LlamaDecoder(model), prompt_len=32, steps=4)
-    slow = LlamaDecoder(model)
+    base = profile_decoder(Decoder(model), prompt_len=32, steps=4)
+    slow = Decoder(model)
     plain = slow._rms_norm
 
     def slow_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # a planted slow norm

@@ -41,19 +41,19 @@ def test_a_loaded_backend_and_its_serving_batch_compute_on_the_compute_thread(
     """Loaded from this (main) thread, generating from a harness-like executor thread and stepping
     from a server-like worker thread: every forward pass runs on the one compute thread."""
     from variantbench.backends.base import GenerationRequest
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
     from variantbench.backends.torch_backend import TorchBackend
     from variantbench.serving.batching import batch_for
 
     threads: list[int] = []
     for name in ("_forward", "_forward_groups"):
-        real = getattr(LlamaDecoder, name)
+        real = getattr(Decoder, name)
 
         def recorded(self, *args, _real=real, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             threads.append(threading.get_ident())
             return _real(self, *args, **kwargs)
 
-        monkeypatch.setattr(LlamaDecoder, name, recorded)
+        monkeypatch.setattr(Decoder, name, recorded)
     backend = TorchBackend(str(tiny_model_dir))
     backend.load()
     request = GenerationRequest("q", prompt="one two three", max_new_tokens=4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from variantbench.backends.engine import LlamaDecoder
+from variantbench.backends.engine import Decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 
@@ -23,7 +23,7 @@ def test_batched_decode_matches_generate(fixture: str, request: pytest.FixtureRe
     folder = request.getfixturevalue(fixture)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [_reference(model, p, 24) for p in PROMPTS]
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     batched = decoder.generate(PROMPTS, 24)  # left-padded batch of three lengths
     assert batched.token_ids == expected
     for prompt, want in zip(PROMPTS, expected, strict=True):
@@ -35,7 +35,7 @@ def test_one_weight_copy_decodes_the_same_tokens(fixture: str, request: pytest.F
     """``serve``'s default layout: each layer keeps only its packed weights, for every row count."""
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(fixture), dtype=torch.float32).eval()
     expected = [_reference(model, p, 16) for p in PROMPTS]
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     del model
     if not torch.backends.mkldnn.is_available():
         assert decoder.drop_split_copies() == 0  # nothing packed: the plain copy is the only one
@@ -57,7 +57,7 @@ def test_one_weight_copy_decodes_the_same_tokens(fixture: str, request: pytest.F
 
 def test_timings_are_ordered_and_positive(tiny_model_dir) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    out = LlamaDecoder(model).generate(PROMPTS, [5, 9, 16])
+    out = Decoder(model).generate(PROMPTS, [5, 9, 16])
     assert [len(t) for t in out.token_ids] == [5, 9, 16]
     assert out.prefill_ns > 0
     for timing, tokens in zip(out.timings, out.token_ids, strict=True):
@@ -69,7 +69,7 @@ def test_timings_are_ordered_and_positive(tiny_model_dir) -> None:
 
 def test_stop_token_ends_one_sequence_not_the_batch(tiny_model_dir) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     free = decoder.generate(PROMPTS, 12).token_ids
     stop = free[0][3]  # the 4th token of the first sequence becomes a stop id
     out = decoder.generate(PROMPTS, 12, stop_ids=[stop])
@@ -83,4 +83,4 @@ def test_stop_token_ends_one_sequence_not_the_batch(tiny_model_dir) -> None:
 def test_empty_prompt_is_rejected(tiny_model_dir) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="empty prompt"):
-        LlamaDecoder(model).generate([[]], 4)
+        Decoder(model).generate([[]], 4)

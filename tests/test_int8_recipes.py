@@ -82,10 +82,10 @@ def test_the_training_fake_quantizer_computes_what_the_kernel_does(per_token: bo
 
 
 def test_engine_fuses_int8_projections_and_decodes_as_the_model(tiny_model_dir: Path) -> None:
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     model = apply_recipes(_load(tiny_model_dir), parse_variant("int8:act=token"))
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     assert len(decoder.layers[0].qkv.modules) == 1 and isinstance(
         decoder.layers[0].qkv.modules[0], Int8Linear
     )
@@ -178,7 +178,7 @@ def test_bad_int8_recipe_arguments_are_one_line_errors() -> None:
 
 
 def test_mixed_bf16_keeps_norms_residual_and_logits_in_float32(tiny_model_dir: Path) -> None:
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
     from variantbench.variants.mixed_precision import Bf16Linear
 
     model = apply_recipes(_load(tiny_model_dir), parse_variant("mixed-bf16"))
@@ -211,7 +211,7 @@ def test_mixed_bf16_keeps_norms_residual_and_logits_in_float32(tiny_model_dir: P
         h.remove()
     assert set(seen.values()) == {torch.float32} and len(seen) == 5 and logits.dtype == torch.float32
     torch.testing.assert_close(logits, _logits(_load(tiny_model_dir)), rtol=0.05, atol=0.05)
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     assert (
         isinstance(decoder.layers[0].qkv.modules[0], Bf16Linear) and len(decoder.layers[0].qkv.modules) == 1
     )

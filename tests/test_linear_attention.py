@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from variantbench.backends.engine import LinearState, LlamaDecoder
+from variantbench.backends.engine import Decoder, LinearState
 from variantbench.errors import UserError
 from variantbench.variants import parse_variant
 from variantbench.variants.base import restore_built
@@ -77,7 +77,7 @@ def test_the_recipe_trains_records_and_reloads_the_student(student: Path, tiny_m
 
 def test_the_engine_decodes_the_student_as_its_parallel_form(student: Path) -> None:
     model = _reload(student)
-    decoder = LlamaDecoder(model)
+    decoder = Decoder(model)
     assert decoder.softmax_layers == [0] and decoder.has_linear_attention
     ids = torch.tensor([IDS])
     with torch.inference_mode():

@@ -15,10 +15,10 @@ from variantbench.serving.kv_pool import BlockPool, PoolFull, block_size, runs
 def decoder(tiny_model_dir: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    return LlamaDecoder(model)
+    return Decoder(model)
 
 
 def test_blocks_are_whole_pages_per_head_and_runs_group_consecutive_ids() -> None:

@@ -115,10 +115,10 @@ def test_shed_late_turns_away_a_request_that_would_miss_its_objective_and_only_t
 def decoder(tiny_model_dir: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    return LlamaDecoder(model)
+    return Decoder(model)
 
 
 def test_rows_paused_for_an_urgent_prefill_decode_as_if_alone(decoder) -> None:  # noqa: ANN001

@@ -12,10 +12,10 @@ import torch
 def decoder(tiny_model_dir: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    return LlamaDecoder(model)
+    return Decoder(model)
 
 
 def _alone(decoder, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001

@@ -49,12 +49,12 @@ def test_int8_quantizes_every_linear(tiny_model_dir) -> None:
 
 
 def test_int8_decodes_close_to_fp32(tiny_model_dir) -> None:
-    from variantbench.backends.engine import LlamaDecoder
+    from variantbench.backends.engine import Decoder
 
     prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
-    fp32 = LlamaDecoder(_load(tiny_model_dir)).generate(prompt, 8).token_ids[0]
+    fp32 = Decoder(_load(tiny_model_dir)).generate(prompt, 8).token_ids[0]
     int8 = (
-        LlamaDecoder(apply_recipes(_load(tiny_model_dir), parse_variant("int8")))
+        Decoder(apply_recipes(_load(tiny_model_dir), parse_variant("int8")))
         .generate(prompt, 8)
         .token_ids[0]
     )

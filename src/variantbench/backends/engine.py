@@ -180,16 +180,157 @@ class LinearAttentionBlock(Protocol):
     kv_heads: int
 
 
+class Norm:
+    """An RMSNorm as a family computes it: the statistics in float32; the scale (offset folded in:
+    Gemma's 1 + w) applied after the cast to the model's dtype (Llama) or before it (``upcast``:
+    Gemma, OLMo 2). In float32 both are ``torch.rms_norm``, one fused kernel."""
+
+    def __init__(self, module: nn.Module, offset: float = 0.0, upcast: bool = False) -> None:
+        weight = module.weight.detach()
+        self.upcast = upcast
+        self.weight = (weight.float() + offset) if upcast else (weight + offset if offset else weight.clone())
+        eps = getattr(module, "variance_epsilon", None)
+        self.eps = float(eps if eps is not None else module.eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.upcast:
+            return (x32 * self.weight).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How a layer's softmax attention differs from plain SDPA: its scale (None: head_dim^-1/2),
+    a soft-cap on the scores (Gemma 2), a sliding window (a query sees itself and the ``window - 1``
+    positions before it, as transformers' ``sliding_window_overlay``)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.softcap is None and self.window is None
+
+    def unwindowed(self) -> AttentionSpec:
+        return AttentionSpec(self.scale, self.softcap, None)
+
+
+PLAIN_ATTENTION = AttentionSpec()
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec = PLAIN_ATTENTION, *,
+    mask: torch.Tensor | None = None, causal: bool = False, q_index: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Softmax attention of ``q`` [B, Hq, S, D] over ``k``, ``v`` [B, Hkv, K, D] as the layer's spec says.
+
+    ``mask`` (bool, True: may attend) broadcasts to [B, H, S, K]; ``causal``: query i sits at key
+    index K - S + i; ``q_index`` [S or 1]: each query's key index where that is not so (grouped
+    decode rows, prompt chunks), needed for a window. A plain spec is one SDPA call, the fused path
+    every Llama-shaped layer has always taken; a soft-capped one is computed as transformers'
+    eager attention does (scores, cap, mask, float32 softmax), which is all transformers offers for it."""
+    if spec.plain:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=enable_gqa
+        )
+    n_keys, n_q = k.shape[-2], q.shape[-2]
+    keys = torch.arange(n_keys, device=q.device)
+    if q_index is None:
+        q_index = torch.arange(n_keys - n_q, n_keys, device=q.device)
+    allowed: torch.Tensor | None = None
+    if spec.window is not None:
+        allowed = keys[None, :] > q_index[:, None] - spec.window
+    if causal:
+        before = keys[None, :] <= q_index[:, None]
+        allowed = before if allowed is None else allowed & before
+    if mask is not None:
+        allowed = mask if allowed is None else mask & allowed
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=enable_gqa
+        )
+    if q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+class Experts:
+    """A mixture-of-experts MLP: a softmax router, the top-k experts of each token (weights
+    renormalized where the family says), each a gated MLP, and an optional shared expert scaled by
+    a sigmoid gate. Computed expert by expert over the tokens routed to it, as transformers does."""
+
+    def __init__(
+        self, mlp: nn.Module, style: Any, config: Any, act: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        self.router = mlp.gate.weight.detach().clone()
+        self.gate_up = mlp.experts.gate_up_proj.detach().clone()  # [E, 2I, H]
+        self.down = mlp.experts.down_proj.detach().clone()  # [E, H, I]
+        self.top_k = int(config.num_experts_per_tok)
+        self.normalize = bool(getattr(config, style.normalize_key)) if style.normalize_key else True
+        self.cast_weights = style.weights_in_model_dtype
+        self.act = act
+        self.shared: tuple[Callable[..., torch.Tensor], ...] | None = None
+        if style.shared_expert:
+            shared = mlp.shared_expert
+            self.shared = (
+                _projection([shared.gate_proj, shared.up_proj]),
+                _projection([shared.down_proj]),
+                _projection([mlp.shared_expert_gate]),
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = F.linear(flat, self.router)
+        top, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(-1, keepdim=True)
+        if self.cast_weights:
+            top = top.to(logits.dtype)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            token, slot = torch.where(chosen == e)
+            gate, up = F.linear(flat[token], self.gate_up[e]).chunk(2, dim=-1)
+            h = F.linear(self.act(gate) * up, self.down[e]) * top[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        if self.shared is not None:
+            gate_up, down, gate_of = self.shared
+            gu = gate_up(flat)
+            inter = gu.shape[-1] // 2
+            out = out + torch.sigmoid(gate_of(flat)) * down(self.act(gu[..., :inter]) * gu[..., inter:])
+        return out.view(x.shape)
+
+
 @dataclass
 class _Layer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None
+    down: Callable[[torch.Tensor], torch.Tensor] | None
     n_heads: int
     n_kv_heads: int
+    # the block's norms by role (None: the family has none there; see families/base.py)
+    attn_in: Norm | None = None
+    attn_out: Norm | None = None
+    mlp_in: Norm | None = None
+    mlp_out: Norm | None = None
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    qk_norm_per_head: bool = True
+    attention: AttentionSpec = PLAIN_ATTENTION
+    rope: str | None = None  # which rotary table (Gemma 3: local and global layers differ)
+    experts: Experts | None = None
     # linear attention: (query map, key map); None: softmax attention over the KV cache
     linear: tuple[nn.Module, nn.Module] | None = None
 
@@ -206,13 +347,15 @@ class AttentionGroup(Protocol):
     """Tokens of a ragged forward that attend together: a batch's decode rows, or one prompt's chunk.
 
     ``attend`` gets the group's rotated queries [T, q_heads, D], keys and values [T, kv_heads, D] of
-    layer ``li``, stores the keys and values where the group keeps them, and returns the attention
-    output [T, q_heads * D]. Where keys live (one contiguous cache, a paged block pool) is the
+    layer ``li`` and the layer's ``AttentionSpec``, stores the keys and values where the group keeps
+    them, and returns the attention output [T, q_heads * D]. Keys of a sequence sit at consecutive
+    positions of its store, so a window is a distance in that store. Where keys live (one contiguous cache, a paged block pool) is the
     group's business; the forward only runs the projections once over every group's tokens."""
 
     length: int
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec = PLAIN_ATTENTION) -> torch.Tensor: ...  # fmt: skip
 
 
 @dataclass
@@ -226,15 +369,17 @@ class PromptPiece:
     length: int
     mask: torch.Tensor | None = None
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec = PLAIN_ATTENTION) -> torch.Tensor:  # fmt: skip
         k_cache, v_cache = self.cache[li]
         end = self.start + self.length
         k_cache[0, :, self.start : end] = k.transpose(0, 1)
         v_cache[0, :, self.start : end] = v.transpose(0, 1)
         nq, nkv = q.shape[1], k.shape[1]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=self.mask,
-            is_causal=self.mask is None and self.length > 1, enable_gqa=nq != nkv,
+        attn = attend(
+            q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end], spec, mask=self.mask,
+            causal=self.mask is None and self.length > 1, enable_gqa=nq != nkv,
+            q_index=None if spec.plain else torch.arange(self.start, end, device=q.device),
         )  # fmt: skip
         return attn[0].transpose(0, 1).reshape(self.length, -1)
 
@@ -243,7 +388,7 @@ class PromptPiece:
 class CachedRows:
     """Decode rows of one shared cache (``row_cache`` per layer, [rows, kv_heads, positions, D]):
     each writes its new key/value at ``cur`` and attends under ``row_mask``, or row by row from
-    ``row_starts`` (see ``LlamaDecoder._forward_ragged``)."""
+    ``row_starts`` (see ``Decoder._forward_ragged``)."""
 
     row_cache: list[tuple[torch.Tensor, torch.Tensor]]
     cur: int
@@ -251,7 +396,8 @@ class CachedRows:
     row_starts: Sequence[int] | None
     length: int
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec = PLAIN_ATTENTION) -> torch.Tensor:  # fmt: skip
         k_cache, v_cache = self.row_cache[li]
         cur, rows = self.cur, self.length
         k_cache[:, :, cur] = k
@@ -259,13 +405,16 @@ class CachedRows:
         nkv, d = k.shape[1], k.shape[2]
         q = q.reshape(rows, nkv, -1, d)  # grouped: each kv head with its query heads
         if self.row_starts is None:
-            attn = F.scaled_dot_product_attention(
-                q, k_cache[:, :, : cur + 1], v_cache[:, :, : cur + 1], attn_mask=self.row_mask
-            )
-        else:
+            attn = attend(
+                q, k_cache[:, :, : cur + 1], v_cache[:, :, : cur + 1], spec, mask=self.row_mask,
+                q_index=None if spec.plain else torch.tensor([cur], device=q.device),
+            )  # fmt: skip
+        else:  # each row over its own positions, the window's included
+            low = 0 if spec.window is None else cur + 1 - spec.window
+            rest = spec.unwindowed()
             attn = torch.cat([
-                F.scaled_dot_product_attention(q[i : i + 1], k_cache[i : i + 1, :, a : cur + 1],
-                                               v_cache[i : i + 1, :, a : cur + 1])
+                attend(q[i : i + 1], k_cache[i : i + 1, :, max(a, low) : cur + 1],
+                       v_cache[i : i + 1, :, max(a, low) : cur + 1], rest)
                 for i, a in enumerate(self.row_starts)
             ])  # fmt: skip
         return attn.reshape(rows, -1)
@@ -288,26 +437,49 @@ class DecodeOutput:
     decode_steps: int
 
 
-class LlamaDecoder:
-    """Greedy decoding for a ``LlamaForCausalLM`` (and models of the same block structure).
+class UnsupportedModel(ValueError):
+    """The model's architecture is not one the engine runs (no registered family, or a part of it
+    the family file does not describe)."""
 
-    The decoder takes over the model's weights in a decode-friendly layout; the original
-    module tree can be dropped afterwards.
+
+def _config_value(config: Any, key: str | None) -> Any:
+    return None if key is None else getattr(config, key, None)
+
+
+class Decoder:
+    """Greedy decoding for any model of a registered family (``backends/families``).
+
+    The decoder takes over the model's weights in a decode-friendly layout, reading the block
+    through the family's description, not attribute names; the original module tree can be
+    dropped afterwards.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, family: Any = None) -> None:
+        from variantbench.backends.families import family_for
+
         config = model.config
+        family = family or family_for(config)
+        if family is None:
+            raise UnsupportedModel(f"no engine family for model type {getattr(config, 'model_type', '?')!r}")
+        self.family = family
         inner = model.model
         self.config = config
         self.hidden_size = config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.eps = config.rms_norm_eps
-        self.act = _activation(config.hidden_act)
+        self.act = _activation(_config_value(config, family.activation_key) or "silu")
         embed = inner.embed_tokens.weight.detach()
         self.dtype = embed.dtype
         self.device = embed.device
-        self.final_norm = inner.norm.weight.detach().clone()
+        self.final_norm = Norm(inner.norm, family.norm_offset, family.norm_upcast)
         self.lm_head = _projection([model.lm_head])
+        scale = _config_value(config, family.embed_scale) if family.embed_scale != "sqrt_hidden" else (
+            float(torch.tensor(config.hidden_size**0.5, dtype=self.dtype))  # as Gemma: rounded to the dtype
+        )  # fmt: skip
+        self.embed_scale = float(scale) if scale is not None and scale != 1 else None
+        residual = _config_value(config, family.residual_scale_key)
+        self.residual_scale = float(residual) if residual is not None and residual != 1 else None
+        self.final_softcap = _config_value(config, family.final_softcap_key)
+        self.logit_divisor = _config_value(config, family.logit_divisor_key)
         # Tied embeddings: look tokens up in the head's own (possibly transposed) copy instead of
         # keeping a second table. Everything else is copied, so no tensor keeps the loaded
         # checkpoint (often a memory map) alive once the caller drops the model.
@@ -316,31 +488,71 @@ class LlamaDecoder:
         self._embed_from_head = tied and isinstance(self.lm_head, _DenseT)
         self.embed = None if self._embed_from_head else embed.clone()
         self.rotary = inner.rotary_emb
-        self.layers: list[_Layer] = []
-        for block in inner.layers:
-            attn, mlp = block.self_attn, block.mlp
-            n_heads = _out_features(attn.q_proj) // self.head_dim
-            n_kv = _out_features(attn.k_proj) // self.head_dim
-            self.layers.append(
-                _Layer(
-                    input_norm=block.input_layernorm.weight.detach().clone(),
-                    post_norm=block.post_attention_layernorm.weight.detach().clone(),
-                    qkv=_projection([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    o=_projection([attn.o_proj]),
-                    gate_up=_projection([mlp.gate_proj, mlp.up_proj]),
-                    down=_projection([mlp.down_proj]),
-                    n_heads=n_heads,
-                    n_kv_heads=n_kv,
-                    linear=(attn.feature_q, attn.feature_k)
-                    if isinstance(attn, LinearAttentionBlock)
-                    else None,
-                )
-            )
+        self.layers: list[_Layer] = [self._layer(i, block) for i, block in enumerate(inner.layers)]
         self.softmax_layers = [i for i, layer in enumerate(self.layers) if layer.linear is None]
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: dict[str | None, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._step = self._decode_step
         self.compiled = False
         self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
+
+    def _layer(self, index: int, block: nn.Module) -> _Layer:
+        family, config = self.family, self.config
+        attn, mlp = block.self_attn, block.mlp
+
+        def norm(module: nn.Module | None) -> Norm | None:
+            return None if module is None else Norm(module, family.norm_offset, family.norm_upcast)
+
+        try:
+            qkv_modules = [getattr(attn, name) for name in family.qkv]
+            norms = {role: norm(getattr(block, name)) for role, name in family.norms.items()}
+            qk_norms = (norm(attn.q_norm), norm(attn.k_norm)) if family.qk_norm else (None, None)
+            if family.experts is not None and isinstance(getattr(mlp, "experts", None), nn.Module):
+                experts, gate_up, down = Experts(mlp, family.experts, config, self.act), None, None
+            else:
+                experts = None
+                gate_up = _projection([getattr(mlp, name) for name in family.gate_up])
+                down = _projection([mlp.down_proj])
+        except AttributeError as exc:
+            raise UnsupportedModel(
+                f"{type(block).__name__} of family {family.name} has no {exc.name or exc}: the family file "
+                "does not describe this checkpoint"
+            ) from None
+        if len(qkv_modules) == 3:
+            n_heads = _out_features(qkv_modules[0]) // self.head_dim
+            n_kv = _out_features(qkv_modules[1]) // self.head_dim
+        else:
+            n_heads = int(config.num_attention_heads)
+            n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+        layer_types = getattr(config, "layer_types", None)
+        layer_type = layer_types[index] if layer_types else None
+        sliding = (
+            bool(config.sliding_window) if family.sliding_every_layer else layer_type == "sliding_attention"
+        )
+        window = int(config.sliding_window) if sliding else None
+        scale = _config_value(config, family.attn_scale_key)
+        inv_sqrt = _config_value(config, family.attn_scale_inv_sqrt_key)
+        if inv_sqrt is not None:
+            scale = float(inv_sqrt) ** -0.5
+        return _Layer(
+            qkv=_projection(qkv_modules),
+            o=_projection([attn.o_proj]),
+            gate_up=gate_up,
+            down=down,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            q_norm=qk_norms[0],
+            k_norm=qk_norms[1],
+            qk_norm_per_head=family.qk_norm == "head",
+            attention=AttentionSpec(
+                scale=None if scale is None else float(scale),
+                softcap=_config_value(config, family.attn_softcap_key),
+                window=window,
+            ),
+            rope=layer_type if family.rope_by_layer_type else None,
+            experts=experts,
+            linear=(attn.feature_q, attn.feature_k) if isinstance(attn, LinearAttentionBlock) else None,
+            **norms,
+        )
 
     def drop_split_copies(self) -> int:
         """Each layer keeps only its packed weights (see ``_DenseT``); the vocabulary head keeps
@@ -350,7 +562,7 @@ class LlamaDecoder:
             return 0
         freed = 0
         for layer in self.layers:
-            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):  # None in an MoE layer
                 if isinstance(proj, _DenseT) and proj.weight is not None:
                     size = proj.weight.numel() * proj.weight.element_size()
                     freed += size if proj.drop_plain() else 0
@@ -358,36 +570,75 @@ class LlamaDecoder:
 
     # ---- building blocks -------------------------------------------------------------------
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers' LlamaRMSNorm: statistics in fp32, scale in model dtype.
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, weight.shape, weight, self.eps)  # one fused kernel, same result
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
-
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < length:
+    def _rope_tables(self, length: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, signed sin) [positions, rotary dims] per rotary table the layers use (one, or
+        Gemma 3's local and global), from transformers' own rotary embedding: the config's RoPE
+        variant (llama3, linear, yarn, longrope, partial rotary) is computed as transformers does."""
+        if self._rope_cache is None or next(iter(self._rope_cache.values()))[0].shape[0] < length:
             size = max(length, 256)
             positions = torch.arange(size, device=self.device).unsqueeze(0)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            with torch.no_grad():
-                cos, sin = self.rotary(probe, positions)
-            sin = sin[0].to(self.dtype).clone()
-            sin[..., : sin.shape[-1] // 2] *= -1
-            self._rope_cache = (cos[0].to(self.dtype), sin)
+            tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+            for key in dict.fromkeys(layer.rope for layer in self.layers):
+                with torch.no_grad():
+                    cos, sin = (
+                        self.rotary(probe, positions) if key is None else self.rotary(probe, positions, key)
+                    )
+                sin = sin[0].to(self.dtype).clone()
+                sin[..., : sin.shape[-1] // 2] *= -1
+                tables[key] = (cos[0].to(self.dtype), sin)
+            self._rope_cache = tables
         return self._rope_cache
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         # transformers' x*cos + rotate_half(x)*sin, with rotate_half(x) = cat(-x2, x1)
-        # = roll(x, D/2) * [-1.., +1..]: the sign lives in the precomputed sin table.
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+        # = roll(x, D/2) * [-1.., +1..]: the sign lives in the precomputed sin table. Partial
+        # rotary (Phi-4-mini): the table covers the first dims only; the rest pass unchanged.
+        dims = cos.shape[-1]
+        if dims == x.shape[-1]:
+            return torch.addcmul(x * cos, x.roll(dims // 2, -1), signed_sin)
+        head = x[..., :dims]
+        return torch.cat([torch.addcmul(head * cos, head.roll(dims // 2, -1), signed_sin), x[..., dims:]], -1)
+
+    def _split_qkv(self, layer: _Layer, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projection's output [..., (Hq + 2 Hkv) * D] as queries and keys [..., Hq + Hkv, D]
+        (q/k-normed where the family norms them) and values [..., Hkv, D]."""
+        d, nq, nkv = self.head_dim, layer.n_heads, layer.n_kv_heads
+        lead = qkv.shape[:-1]
+        if layer.q_norm is None or layer.k_norm is None:
+            heads = qkv.view(*lead, -1, d)
+            return heads[..., : nq + nkv, :], heads[..., nq + nkv :, :]
+        q, k, v = qkv[..., : nq * d], qkv[..., nq * d : (nq + nkv) * d], qkv[..., (nq + nkv) * d :]
+        if layer.qk_norm_per_head:
+            q, k = layer.q_norm(q.reshape(*lead, nq, d)), layer.k_norm(k.reshape(*lead, nkv, d))
+        else:
+            q, k = layer.q_norm(q).view(*lead, nq, d), layer.k_norm(k).view(*lead, nkv, d)
+        return torch.cat([q, k], -2), v.reshape(*lead, nkv, d)
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post: Norm | None) -> torch.Tensor:
+        if post is not None:
+            out = post(out)
+        if self.residual_scale is not None:
+            out = out * self.residual_scale
+        return x + out
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gu = layer.gate_up(self._rms_norm(x, layer.post_norm))
-        inter = gu.shape[-1] // 2
-        return layer.down(self.act(gu[..., :inter]) * gu[..., inter:])
+        """The MLP half of a block, its residual sum included."""
+        h = layer.mlp_in(x) if layer.mlp_in is not None else x
+        if layer.experts is not None:
+            out = layer.experts(h)
+        else:
+            assert layer.gate_up is not None and layer.down is not None
+            gu = layer.gate_up(h)
+            inter = gu.shape[-1] // 2
+            out = layer.down(self.act(gu[..., :inter]) * gu[..., inter:])
+        return self._residual(x, out, layer.mlp_out)
+
+    @staticmethod
+    def _rope_at(rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+                 shape: Callable[[torch.Tensor], torch.Tensor]) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        return {key: (shape(cos[positions]), shape(sin[positions])) for key, (cos, sin) in rope.items()}
 
     def _forward(
         self,
@@ -397,7 +648,7 @@ class LlamaDecoder:
         start: int,
         attn_mask: torch.Tensor | None,
         is_causal: bool,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Run all blocks on ``x`` [B, S, H] at cache slots ``start:start+S``; return hidden states.
 
@@ -405,44 +656,46 @@ class LlamaDecoder:
         function has no side effects and ``torch.compile`` can trace it whole).
         """
         bsz, seq, _ = x.shape
-        cos_t, sin_t = rope
-        cos = cos_t[positions].unsqueeze(1)  # [B, 1, S, D]
-        sin = sin_t[positions].unsqueeze(1)
+        tables = self._rope_at(rope, positions, lambda t: t.unsqueeze(1))  # [B, 1, S, D]
         end = start + seq
         d = self.head_dim
+        q_index: torch.Tensor | None = None
         for layer, entry in zip(self.layers, cache, strict=True):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h).view(bsz, seq, -1, d)
+            h = layer.attn_in(x) if layer.attn_in is not None else x
+            qk, v = self._split_qkv(layer, layer.qkv(h).view(bsz, seq, -1))
             nq, nkv = layer.n_heads, layer.n_kv_heads
             # RoPE on queries and keys in one go: [B, S, Hq+Hkv, D] -> [B, Hq+Hkv, S, D]
-            qk = self._rotate(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)
+            qk = self._rotate(qk.transpose(1, 2), *tables[layer.rope])
             q, k = qk[:, :nq], qk[:, nq:]
-            v = qkv[:, :, nq + nkv :].transpose(1, 2)
+            v = v.transpose(1, 2)
             if layer.linear is not None:
                 assert isinstance(entry, LinearState)
                 # a named region while profiling, so the diagnosis counts it as attention
                 with self._region("linear_attention") if self.profile_regions else contextlib.nullcontext():
                     attn = self._linear_attention(layer, q, k, v, entry, attn_mask)
-                x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d).to(x.dtype))
-                x = x + self._mlp(layer, x)
+                x = self._residual(x, layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d).to(x.dtype)),
+                                   layer.attn_out)  # fmt: skip
+                x = self._mlp(layer, x)
                 continue
             k_cache, v_cache = entry
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+            spec = layer.attention
+            if not spec.plain and q_index is None:
+                q_index = torch.arange(start, end, device=x.device)
             if seq == 1 and nq != nkv:
                 # Decode with grouped-query attention: the G query heads of a group become G query
                 # rows against their one shared KV head, so the cache is never expanded (copied)
                 # to Hq heads; the (key-only) mask broadcasts over the rows.
                 grouped = q.reshape(bsz, nkv, nq // nkv, d)
-                attn = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attn_mask)
+                attn = attend(grouped, keys, values, spec, mask=attn_mask, q_index=q_index)
                 attn = attn.reshape(bsz, nq, 1, d)
             else:
-                attn = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=nq != nkv
-                )
-            x = x + layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d))
-            x = x + self._mlp(layer, x)
+                attn = attend(q, keys, values, spec, mask=attn_mask, causal=is_causal, q_index=q_index,
+                              enable_gqa=nq != nkv)  # fmt: skip
+            x = self._residual(x, layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d)), layer.attn_out)
+            x = self._mlp(layer, x)
         return x
 
     def _linear_attention(
@@ -530,45 +783,49 @@ class LlamaDecoder:
         return self._forward_groups(x, positions, groups, rope)
 
     def _forward_groups(self, x: torch.Tensor, positions: torch.Tensor, groups: Sequence[AttentionGroup],
-                        rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+                        rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:  # fmt: skip
         """One forward over a ragged set of tokens ``x`` [T, H], the ``groups``' tokens in order:
         every projection runs once over all T tokens; attention, the only part that mixes tokens,
         runs per group (``AttentionGroup.attend``)."""
         if self.has_linear_attention:
             raise ValueError("continuous batching does not run linear-attention layers yet")
-        cos_t, sin_t = rope
-        cos = cos_t[positions][None, None]  # [1, 1, T, D]
-        sin = sin_t[positions][None, None]
+        tables = self._rope_at(rope, positions, lambda t: t[None, None])  # [1, 1, T, D]
         total = x.shape[0]
-        d = self.head_dim
         for layer_index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h).view(total, -1, d)
-            nq, nkv = layer.n_heads, layer.n_kv_heads
-            qk = self._rotate(qkv[:, : nq + nkv].transpose(0, 1)[None], cos, sin)[0].transpose(
-                0, 1
-            )  # [T, Hq+Hkv, D]
-            v = qkv[:, nq + nkv :]  # [T, Hkv, D]
+            h = layer.attn_in(x) if layer.attn_in is not None else x
+            qk, v = self._split_qkv(layer, layer.qkv(h).view(total, -1))  # [T, Hq+Hkv, D], [T, Hkv, D]
+            nq = layer.n_heads
+            qk = self._rotate(qk.transpose(0, 1)[None], *tables[layer.rope])[0].transpose(0, 1)
             outs, at = [], 0
             for group in groups:
                 end = at + group.length
-                outs.append(group.attend(layer_index, qk[at:end, :nq], qk[at:end, nq:], v[at:end]))
+                outs.append(
+                    group.attend(layer_index, qk[at:end, :nq], qk[at:end, nq:], v[at:end], layer.attention)
+                )
                 at = end
-            x = x + layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
-            x = x + self._mlp(layer, x)
+            x = self._residual(x, layer.o(outs[0] if len(outs) == 1 else torch.cat(outs)), layer.attn_out)
+            x = self._mlp(layer, x)
         return x
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            return F.embedding(ids, self.embed)
-        head = self.lm_head
-        assert isinstance(head, _DenseT)
-        if head.transposed:  # [hidden, vocab]: gather columns
-            return head.weight.index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, -1)
-        return F.embedding(ids, head.weight)
+            x = F.embedding(ids, self.embed)
+        else:
+            head = self.lm_head
+            assert isinstance(head, _DenseT)
+            if head.transposed:  # [hidden, vocab]: gather columns
+                x = head.weight.index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, -1)
+            else:
+                x = F.embedding(ids, head.weight)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._rms_norm(hidden, self.final_norm)).float()
+        logits = self.lm_head(self.final_norm(hidden)).float()
+        if self.logit_divisor is not None:
+            logits = logits / self.logit_divisor
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def _region(self, name: str) -> contextlib.AbstractContextManager:
         """A labelled region: a torch.profiler range when profiling (the diagnosis), and on CUDA always

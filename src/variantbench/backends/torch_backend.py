@@ -85,7 +85,7 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from variantbench.backends.engine import LlamaDecoder
+        from variantbench.backends.engine import Decoder
         from variantbench.variants import apply_recipes, weight_format
         from variantbench.variants.base import restore_built
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
@@ -119,7 +119,7 @@ class TorchBackend:
             raise UserError(
                 f"unsupported architecture {type(model).__name__}: the torch backend runs Llama-style models"
             )
-        self._decoder = LlamaDecoder(model)
+        self._decoder = Decoder(model)
         self._max_positions = getattr(config, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else self._tokenizer.eos_token_id
@@ -200,7 +200,7 @@ class TorchBackend:
 
     @property
     def decoder(self) -> Any:
-        """Our LlamaDecoder (the diagnosis profiles it; serving batches over it)."""
+        """Our engine's Decoder (the diagnosis profiles it; serving batches over it)."""
         return self._decoder
 
     @property

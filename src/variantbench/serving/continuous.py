@@ -14,7 +14,7 @@ near 760 (measured here).
 
 Chunked prefill (``begin``): a newcomer's prompt is not prefilled alone while the running rows wait.
 Each ``step`` takes up to ``prefill_chunk`` prompt tokens of the waiting newcomers and runs them in
-the same forward as the decode rows (``LlamaDecoder._forward_ragged``): every projection reads the
+the same forward as the decode rows (``Decoder._forward_ragged``): every projection reads the
 weights once for both, and a long prompt is spread over several steps instead of stalling every
 running request for its whole prefill (vLLM's chunked prefill). ``join`` is the synchronous form:
 prefill now, alone.

@@ -28,8 +28,8 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from variantbench.backends.engine import PLAIN_ATTENTION, AttentionSpec, attend
 from variantbench.compute import on_compute
 from variantbench.serving.continuous import NoRoom, batch_basics, check_join
 from variantbench.serving.kv_budget import cache_blocks
@@ -74,19 +74,23 @@ class _Rows:
     def __init__(self, pool: BlockPool, write: torch.Tensor, spans: list[list[tuple[int, int]]]) -> None:
         self.pool, self.write, self.spans, self.length = pool, write, spans, len(spans)
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec = PLAIN_ATTENTION) -> torch.Tensor:  # fmt: skip
         nkv, d = k.shape[1], k.shape[2]
         keys, values = self.pool.data[li, 0, :nkv], self.pool.data[li, 1, :nkv]  # [kv, positions, D]
         keys[:, self.write] = k.transpose(0, 1)
         values[:, self.write] = v.transpose(0, 1)
         q = q.reshape(self.length, nkv, -1, d)  # grouped: each kv head with its query heads
+        rest = spec.unwindowed()  # a window is the last positions of a row's runs
         outs = []
         for i, spans in enumerate(self.spans):
             qi = q[i : i + 1]
+            if spec.window is not None:
+                spans = _last(spans, spec.window)
             if len(spans) == 1:
                 a, b = spans[0]
-                outs.append(F.scaled_dot_product_attention(qi, keys[None, :, a:b], values[None, :, a:b]))
-            elif qi.device.type == "cpu":
+                outs.append(attend(qi, keys[None, :, a:b], values[None, :, a:b], rest))
+            elif qi.device.type == "cpu" and rest.plain and rest.scale is None:
                 parts = [
                     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                         qi, keys[None, :, a:b], values[None, :, a:b], 0.0, False
@@ -94,11 +98,22 @@ class _Rows:
                     for a, b in spans
                 ]
                 outs.append(_merge([p[0] for p in parts], [p[1] for p in parts]))
-            else:  # no log-sum-exp kernel here: gather the runs (a copy of this row's keys)
+            else:  # no log-sum-exp kernel for it: gather the runs (a copy of this row's keys)
                 ks = torch.cat([keys[:, a:b] for a, b in spans], 1)[None]
                 vs = torch.cat([values[:, a:b] for a, b in spans], 1)[None]
-                outs.append(F.scaled_dot_product_attention(qi, ks, vs))
+                outs.append(attend(qi, ks, vs, rest))
         return torch.cat(outs).reshape(self.length, -1)
+
+
+def _last(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """The runs of pool positions that hold a row's last ``count`` positions."""
+    kept: list[tuple[int, int]] = []
+    for a, b in reversed(spans):
+        if count <= 0:
+            break
+        kept.append((max(a, b - count), b))
+        count -= b - a
+    return kept[::-1]
 
 
 class _Chunk:
@@ -109,7 +124,8 @@ class _Chunk:
                  length: int) -> None:  # fmt: skip
         self.pool, self.write, self.spans, self.start, self.length = pool, write, spans, start, length
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: AttentionSpec = PLAIN_ATTENTION) -> torch.Tensor:  # fmt: skip
         nq, nkv = q.shape[1], k.shape[1]
         keys, values = self.pool.data[li, 0, :nkv], self.pool.data[li, 1, :nkv]
         keys[:, self.write] = k.transpose(0, 1)
@@ -125,9 +141,9 @@ class _Chunk:
         if self.start > 0:  # every earlier position, and its own causally
             positions = torch.arange(end, device=q.device)
             mask = (positions[None, :] <= positions[self.start :, None])[None, None]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], ks, vs, attn_mask=mask, is_causal=mask is None and self.length > 1,
-            enable_gqa=nq != nkv,
+        attn = attend(
+            q.transpose(0, 1)[None], ks, vs, spec, mask=mask, causal=mask is None and self.length > 1,
+            enable_gqa=nq != nkv, q_index=None if spec.plain else torch.arange(self.start, end, device=q.device),
         )  # fmt: skip
         return attn[0].transpose(0, 1).reshape(self.length, -1)
 
