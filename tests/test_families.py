@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from variantbench.backends.engine import Decoder
-from variantbench.backends.families import family_for, registered_types
+from variantbench.families import family_for, registered_types
 from variantbench.models.tiny import TINY, tiny_config, tiny_model
 
 TOLERANCE = 1e-4  # max |logit difference| in fp32; measured 1e-6 to 6e-6 (tests print each)

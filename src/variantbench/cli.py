@@ -531,12 +531,33 @@ def selftest(
 
 
 @app.command("variants")
-def list_variants() -> None:
+def list_variants(
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="a Hugging Face folder or GGUF file: which recipes apply to it"),
+    ] = None,
+) -> None:
     """List the variant kinds that recipes can build, and the variants already built."""
     from variantbench.variants import known_kinds
     from variantbench.variants.build import list_built
 
-    for kind, summary in known_kinds().items():
+    kinds = known_kinds()
+    if model is not None:
+        from variantbench.models import parse_model, prepare_model
+        from variantbench.variants.support import describe_model, kinds_for
+
+        folder = prepare_model(parse_model(model), status=lambda msg: typer.echo(msg, err=True))
+        model_type, family = describe_model(folder)
+        yes, no = kinds_for(family)
+        backend = (f"our engine (family {family})" if family else
+                   "the transformers fallback (no engine family: transformers' own generate, one request at a time)")  # fmt: skip
+        typer.echo(f"{model}: model type {model_type}, run by {backend}")
+        typer.echo("recipes that apply:")
+        for kind in yes:
+            typer.echo(f"  {kind:12s} {kinds[kind]}")
+        typer.echo("recipes that do not apply: " + (", ".join(no) or "none"))
+        return
+    for kind, summary in kinds.items():
         typer.echo(f"{kind:12s} {summary}")
     built = list_built()
     typer.echo(f"\nbuilt ({len(built)}):" if built else "\nbuilt: none yet (variantbench build RECIPE)")
@@ -666,7 +687,10 @@ def serve(
         int, typer.Option(help="prompt tokens per step, prefilled beside the decode rows")
     ] = 256,
     prefix_cache_mb: Annotated[
-        float, typer.Option(help="MiB of prompt-prefix keys/values kept for reuse (llama.cpp: finished prompts kept; 0: off)")
+        float,
+        typer.Option(
+            help="MiB of prompt-prefix keys/values kept for reuse (llama.cpp: finished prompts kept; 0: off)"
+        ),
     ] = 256.0,
     queue_policy: Annotated[
         list[str] | None,
@@ -686,8 +710,10 @@ def serve(
     ] = "paged",
     kv_cache_gb: Annotated[
         float | None,
-        typer.Option(help="GiB the KV cache may hold (default: 80% of the memory available once the weights are "
-                     "loaded); requests beyond it wait for room"),
+        typer.Option(
+            help="GiB the KV cache may hold (default: 80% of the memory available once the weights are "
+            "loaded); requests beyond it wait for room"
+        ),
     ] = None,
     weight_layout: Annotated[
         str,

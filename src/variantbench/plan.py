@@ -257,6 +257,11 @@ class DecisionPlan(_Section):
     need_qps: float | None = Field(None, gt=0, description="constraint: at least this many queries/s")
     need_build_s: float | None = Field(None, ge=0, description="constraint: build time at most this")
     need_no_gpu: bool = Field(False, description="constraint: must run without a GPU")
+    mix_backends: bool = Field(
+        False,
+        description="recommend variants measured on another backend than the standard's (the transformers "
+        "fallback beside our engine, llama.cpp, ONNX Runtime): each is a different system under test",
+    )
 
     @field_validator("profile")
     @classmethod

@@ -191,14 +191,28 @@ def _break_tie(group: list[Any], standard_name: str, band: float) -> tuple[Any, 
     )
 
 
+def engine_of(run: Any) -> str:
+    """The backend that measured a run ("torch" for our engine, "transformers" for the fallback, ...)."""
+    return str((run.backend or {}).get("backend") or "torch")
+
+
 def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequence[dict[str, Any]] = (),
-              band: float = 0.03) -> dict[str, Any]:  # fmt: skip
-    """Rank the measured variants for one profile; ties (by the intervals) named and broken."""
+              band: float = 0.03, mix_backends: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Rank the measured variants for one profile; ties (by the intervals) named and broken.
+
+    A variant measured on another backend than the standard's is a different system under test
+    (our engine against transformers' generate measures the engines as much as the variants), so
+    it is not recommended unless the plan says ``decision.mix_backends``."""
     standard = next((r for r in runs if r.variant == standard_name and r.status == "ok"), None)
     reasons: dict[str, str] = {}
     fit = []
     for run in runs:
         fails = check(run, standard, s, comparisons, band)
+        if standard is not None and not mix_backends and engine_of(run) != engine_of(standard):
+            fails.append(
+                f"measured on the {engine_of(run)} backend, the standard on {engine_of(standard)}: a different "
+                "system under test (decision.mix_backends: true compares them)"
+            )
         if fails:
             reasons[run.variant] = "; ".join(fails)
         else:

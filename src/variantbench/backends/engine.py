@@ -447,7 +447,7 @@ def _config_value(config: Any, key: str | None) -> Any:
 
 
 class Decoder:
-    """Greedy decoding for any model of a registered family (``backends/families``).
+    """Greedy decoding for any model of a registered family (``families``).
 
     The decoder takes over the model's weights in a decode-friendly layout, reading the block
     through the family's description, not attribute names; the original module tree can be
@@ -455,7 +455,7 @@ class Decoder:
     """
 
     def __init__(self, model: nn.Module, family: Any = None) -> None:
-        from variantbench.backends.families import family_for
+        from variantbench.families import family_for
 
         config = model.config
         family = family or family_for(config)

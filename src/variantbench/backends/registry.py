@@ -2,7 +2,9 @@
 
 A variant whose chain ends in an export for another engine (``gguf-*``, ``onnx-*``) names the
 backend that runs it (``Recipe.engine_backend``, "module:Class"); every other variant runs on our
-PyTorch engine. The module is imported only when a variant needs it, so a run of fp32 alone never
+PyTorch engine when the model's family is registered (``families``), else on the
+transformers fallback (``transformers_backend.py``). A family added later moves a model off the
+fallback with no change for the user. The module is imported only when a variant needs it, so a run of fp32 alone never
 imports onnxruntime or llama.cpp.
 """
 
@@ -16,10 +18,22 @@ from variantbench.errors import UserError
 from variantbench.variants.spec import Artifact, VariantSpec
 
 TORCH_BACKEND = "variantbench.backends.torch_backend:TorchBackend"
+FALLBACK_BACKEND = "variantbench.backends.transformers_backend:TransformersBackend"
 
 
-def backend_class(spec: VariantSpec) -> type[Any]:
-    path = type(spec.engine).engine_backend if spec.engine is not None else TORCH_BACKEND
+def backend_path(spec: VariantSpec, model_dir: str | None = None) -> str:
+    """ "module:Class" of the backend that runs ``spec`` on the model in ``model_dir``."""
+    from variantbench.families import family_of_folder, model_type_of
+
+    if spec.engine is not None:
+        return type(spec.engine).engine_backend
+    if model_dir is not None and model_type_of(model_dir) is not None and family_of_folder(model_dir) is None:
+        return FALLBACK_BACKEND
+    return TORCH_BACKEND
+
+
+def backend_class(spec: VariantSpec, model_dir: str | None = None) -> type[Any]:
+    path = backend_path(spec, model_dir)
     module, _, cls = path.partition(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -33,7 +47,7 @@ def make_backend(
     build_seed: int = 0,
 ) -> Backend:
     """The in-process backend that runs ``spec`` from its built ``artifact`` (None: built at load)."""
-    cls = backend_class(spec)
+    cls = backend_class(spec, base_dir)
     if spec.engine is not None:
         if device != "cpu":
             raise UserError(f"{spec.name}: {spec.engine.kind} variants run on the CPU here")

@@ -38,7 +38,7 @@ def _unpin_threads() -> None:
 
 
 class TorchBackend:
-    """Runs greedy generation for one variant of a Llama-architecture model.
+    """Runs greedy generation for one variant of a model of a registered family, on our engine.
 
     Picklable until ``load()``: it holds only the folder, the variant name and options.
     """
@@ -85,7 +85,8 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from variantbench.backends.engine import Decoder
+        from variantbench.backends.engine import Decoder, UnsupportedModel
+        from variantbench.families import family_for, registered_types
         from variantbench.variants import apply_recipes, weight_format
         from variantbench.variants.base import restore_built
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
@@ -113,13 +114,16 @@ class TorchBackend:
             self.status(caveat)
         nbytes = param_bytes(model)
         config = model.config
-        if not (
-            hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(config, "rms_norm_eps")
-        ):
+        family = family_for(config)
+        if family is None:  # the registry sends such a model to the transformers fallback
             raise UserError(
-                f"unsupported architecture {type(model).__name__}: the torch backend runs Llama-style models"
+                f"{type(model).__name__} (model type {config.model_type!r}) has no engine family; registered: "
+                f"{', '.join(registered_types())}; the transformers fallback backend runs it"
             )
-        self._decoder = Decoder(model)
+        try:
+            self._decoder = Decoder(model, family)
+        except UnsupportedModel as exc:
+            raise UserError(str(exc)) from None
         self._max_positions = getattr(config, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else self._tokenizer.eos_token_id
@@ -139,6 +143,7 @@ class TorchBackend:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch_version": torch.__version__,
             "architecture": type(model).__name__,
+            "family": family.name,
             "layers": len(self._decoder.layers),
             "parameters": parameters,
         }

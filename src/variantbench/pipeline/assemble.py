@@ -327,7 +327,12 @@ def finalize(report: Report, plan: Plan) -> None:
         )  # fmt: skip
     report.recommendations = {
         name: recommend(
-            report.runs, report.standard, p, report.comparisons, band=plan.analysis.tie_band / 100
+            report.runs,
+            report.standard,
+            p,
+            report.comparisons,
+            band=plan.analysis.tie_band / 100,
+            mix_backends=plan.decision.mix_backends,
         )
         for name, p in plan.decision.profiles().items()
     }

@@ -113,6 +113,8 @@ def _batch_rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
 
     rounds = max((j.batch_rounds for j in jobs.values()), default=0)
     for r in range(rounds):
+        if not sessions:  # every variant failed
+            return
         for name in round_order(list(sessions), r, "single-stream", 0):
             try:
                 sessions[name].call("batch_rate", BATCH_SIZE, BATCH_NEW, on_event=on_event(name))

@@ -179,6 +179,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
     raw results are kept and loaded (a search resumed), not started afresh."""
     from variantbench.environment import describe_environment
     from variantbench.models import ModelSpec, parse_model, prepare_model
+    from variantbench.variants.support import check_support
 
     out = plan.out
     check_writable(out)
@@ -208,6 +209,8 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
     else:
         say = lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True)  # noqa: E731
         base_dir = str(prepare_model(spec, status=say))
+        for name, variant in specs.items():  # a recipe the model's family cannot take: one line, now
+            check_support(variant.recipes, base_dir, name)
     write_plan(plan, out / "plan.yaml")
     library = build_workload(
         plan, base_dir, say=lambda msg: console.print(f"[dim]{msg}[/dim]"), checked=checked

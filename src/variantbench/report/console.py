@@ -23,11 +23,13 @@ def _ratio(value: float | None, base: float | None, higher_is_better: bool) -> s
 
 
 def comparison_table(report: Report) -> Table:
+    from variantbench.report.markdown import backend_lines
+
     base = report.run(report.standard)
     base_ok = base if base is not None and base.status == "ok" else None
     table = Table(
         title=f"variantbench: {report.model.get('name')} - {report.scenario}, standard = {report.standard}",
-        caption="ratios against the standard; green is better.",
+        caption=" ".join(["ratios against the standard; green is better.", *backend_lines(report)]),
     )
     columns = [
         ("variant", "left"),

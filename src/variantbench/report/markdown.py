@@ -384,6 +384,27 @@ def _server_latency(report: Report) -> list[str]:
             *(f"- {r.variant}: {r.server_latency['note']}" for r in runs if (r.server_latency or {}).get("note")), ""]  # fmt: skip
 
 
+def backend_lines(report: Report) -> list[str]:
+    """Which backend measured each variant, when it is not our engine for all of them."""
+    from variantbench.analysis.recommend import engine_of
+
+    by = {r.variant: engine_of(r) for r in report.runs if r.backend}
+    if set(by.values()) <= {"torch"}:
+        return []
+    lines = [f"Measured by: {', '.join(f'{v} on {b}' for v, b in by.items())}."]
+    if "transformers" in by.values():
+        lines.append(
+            "The transformers fallback ran this model's architecture (no engine family): transformers' own "
+            "generate, one request at a time; none of the engine's fast paths was used."
+        )
+    return lines
+
+
+def _backends(report: Report) -> list[str]:
+    lines = backend_lines(report)
+    return ["", *lines] if lines else []
+
+
 def render(report: Report) -> str:
     w = report.workload
     lines = [
@@ -392,6 +413,7 @@ def render(report: Report) -> str:
         f"Standard: **{report.standard}**. Variants: {', '.join(r.variant for r in report.runs)}. Workload: "
         f"{w.get('samples', w.get('n', '?'))} samples ({w.get('source', w.get('kind', 'synthetic'))}), "
         f"scenario {report.scenario}.",
+        *_backends(report),
         "",
         *summary_lines(report),
         "",

@@ -6,6 +6,8 @@ A new engine that can be served is one more entry here.
 - ``torch`` (our decoder): ``PagedBatch`` (a paged KV cache, the default) or ``ContinuousBatch``
   (one contiguous cache), chunked prefill beside the decode rows and, when ``prefix_cache_mb`` > 0,
   prefix caching.
+- ``transformers`` (the fallback for a model without an engine family): ``SequentialBatch``, one
+  request at a time over transformers' own forward.
 - ``llama.cpp``: ``LlamaCppBatch`` (its cache within the same ``--kv-cache-gb`` budget), up to
   ``max_batch`` sequences per ``llama_decode``, with the same
   chunked prefill (prompt tokens ride in the decode rows' call) and prefix reuse (finished prompts'
@@ -114,7 +116,21 @@ def _llama_cpp(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, p
                          kv_budget=budget_bytes(kv_cache_gb, "cpu"))  # fmt: skip
 
 
-BATCHES: dict[str, Callable[..., Any]] = {"torch": _torch, "llama.cpp": _llama_cpp}
+def _transformers(backend: Any, max_batch: int, max_len: int, prefill_chunk: int, prefix_cache_mb: float,
+                  kv_cache: str = "paged", kv_cache_gb: float | None = None) -> Any:  # fmt: skip
+    from variantbench.serving.sequential import SequentialBatch
+
+    if backend.model is None:
+        raise RuntimeError("a batch for a backend that is not loaded")
+    return SequentialBatch(backend.model, max_len=min(max_len, backend.max_positions or max_len),
+                           stop_ids=backend.stop_ids)  # fmt: skip
+
+
+BATCHES: dict[str, Callable[..., Any]] = {
+    "torch": _torch,
+    "llama.cpp": _llama_cpp,
+    "transformers": _transformers,
+}
 
 
 def batch_for(backend: Any, max_batch: int, max_len: int, prefill_chunk: int = 256,

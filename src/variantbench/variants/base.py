@@ -31,6 +31,11 @@ class Recipe(BaseModel):
     stage: ClassVar[str] = "load"
     # "engine" recipes only: the backend that runs the exported model, as "module:Class".
     engine_backend: ClassVar[str] = ""
+    # The model families (``variantbench.families``) whose blocks this recipe can transform. None:
+    # it acts on plain modules (dtype, nn.Linear), so any model, the transformers fallback's too;
+    # EVERY_FAMILY: any registered family (it needs ``model.model.layers``, not Llama's names).
+    # Each set is what tests/test_family_recipes.py built and checked on that family's tiny model.
+    families: ClassVar[frozenset[str] | None] = None
 
     def spec(self) -> str:
         """The recipe written back as ``kind[:args]`` (canonical: what the cache key hashes)."""
@@ -60,6 +65,9 @@ class Recipe(BaseModel):
         if args:
             raise UserError(f"variant {kind!r} takes no parameters (got {args!r})")
         return cls(kind=kind)
+
+
+EVERY_FAMILY = frozenset({"*"})
 
 
 def split_args(args: str | None) -> tuple[list[str], dict[str, str]]:

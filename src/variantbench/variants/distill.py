@@ -25,13 +25,14 @@ from torch import nn
 import torch.nn.functional as F
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, keyword_args, register
+from variantbench.variants.base import EVERY_FAMILY, Recipe, keyword_args, register
 
 Precision = Literal["auto", "fp32", "bf16"]
 
 
 class Distill(Recipe):
     stage: ClassVar[str] = "build"
+    families: ClassVar[frozenset[str] | None] = EVERY_FAMILY
     # defaults sized for a 2-core CPU: 256 tokens a step, a few minutes for a 135M model
     steps: int = Field(60, ge=1, le=100_000)
     lr: float = Field(2e-4, gt=0, lt=1)

@@ -48,6 +48,9 @@ BACKEND = "variantbench.backends.llama_cpp:LlamaCppBackend"
 class GgufVariant(Recipe):
     stage: ClassVar[str] = "engine"
     engine_backend: ClassVar[str] = BACKEND
+    # the export writes llama.cpp's "llama" architecture (its tensor names, no biases, no windows,
+    # no q/k norms): other families would load into llama.cpp and compute the wrong thing
+    families: ClassVar[frozenset[str] | None] = frozenset({"llama"})
 
     @property
     def type_name(self) -> str:

@@ -40,6 +40,10 @@ CONFIG_KEY = "variantbench_linear_attention"
 
 class LinearAttn(Recipe):
     stage: ClassVar[str] = "build"
+    # its attention keeps split q/k/v/o and has no q/k norms (qwen3, gemma3, olmo2) nor a fused qkv_proj (phi3)
+    families: ClassVar[frozenset[str] | None] = frozenset(
+        {"llama", "mistral", "qwen2", "gemma2", "granite", "qwen2_moe", "mixtral"}
+    )
     layers: str = "all"
     features: int = Field(64, ge=2, le=1024)
     transfer_steps: int = Field(40, ge=0, le=100_000)

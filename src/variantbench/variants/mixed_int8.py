@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, register, split_args
+from variantbench.variants.base import EVERY_FAMILY, Recipe, register, split_args
 from variantbench.variants.calibration import (
     calibration_batch,
     held_out_windows,
@@ -35,6 +35,7 @@ from variantbench.variants.int8 import FLOAT_LAYERS
 
 class KeepFp32(Recipe):
     stage: ClassVar[str] = "build"
+    families: ClassVar[frozenset[str] | None] = EVERY_FAMILY
     layers: float = Field(gt=0)
     act: Literal["tensor", "token"] = "token"
 

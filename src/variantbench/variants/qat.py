@@ -26,7 +26,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, keyword_args, register
+from variantbench.variants.base import EVERY_FAMILY, Recipe, keyword_args, register
 from variantbench.variants.calibration import held_out_windows, int8_kl, linears
 from variantbench.variants.distill import Precision, train_to_teacher
 from variantbench.variants.int8 import FLOAT_LAYERS
@@ -34,6 +34,7 @@ from variantbench.variants.int8 import FLOAT_LAYERS
 
 class QatInt8(Recipe):
     stage: ClassVar[str] = "build"
+    families: ClassVar[frozenset[str] | None] = EVERY_FAMILY
     steps: int = Field(40, ge=1, le=100_000)
     lr: float = Field(1e-5, gt=0, lt=1)
     temperature: float = Field(1.0, gt=0)

@@ -41,6 +41,8 @@ from variantbench.variants.calibration import (
 
 class Smooth(Recipe):
     stage: ClassVar[str] = "build"
+    # the scales move through a pre-norm into split q/k/v and gate/up; Gemma's (1 + w) sandwich norms, OLMo 2's post-norms, fused projections and experts are other layouts
+    families: ClassVar[frozenset[str] | None] = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite"})
     alpha: float = Field(0.65, ge=0.0, le=1.0)
 
     @classmethod

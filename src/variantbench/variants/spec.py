@@ -88,7 +88,9 @@ def build_variant(
 ) -> Artifact:
     """Everything ``spec`` needs on disk, from the cache or built now; timed as the variant's build."""
     from variantbench.variants.build import materialize, variants_root
+    from variantbench.variants.support import check_support
 
+    check_support(spec.recipes, base_dir, spec.name)
     started = time.perf_counter()
     began_at = time.time()
     source, manifest, build_s, built_now = base_dir, None, 0.0, False

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from variantbench.errors import UserError
-from variantbench.variants.base import Recipe, register, split_args
+from variantbench.variants.base import EVERY_FAMILY, Recipe, register, split_args
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
@@ -66,6 +66,10 @@ def _rebuild(model: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> n
 
 class PruneHeads(Recipe):
     stage: ClassVar[str] = "build"
+    # a fused qkv_proj (phi3) or q/k norms over the whole projection (olmo2) are not split by head
+    families: ClassVar[frozenset[str] | None] = frozenset(
+        {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "qwen2_moe", "mixtral"}
+    )
     ratio: float = Field(gt=0, lt=1)
     groups: bool = False  # remove whole key/value groups instead of query heads inside groups
 
@@ -207,6 +211,7 @@ def prune_heads(model: nn.Module, recipe: Recipe, ctx: Any = None) -> nn.Module:
 
 class DropLayers(Recipe):
     stage: ClassVar[str] = "build"
+    families: ClassVar[frozenset[str] | None] = EVERY_FAMILY
     count: int = Field(ge=1)
 
     @classmethod

@@ -3,7 +3,7 @@
 attention scaled by ``attention_multiplier`` (instead of head_dim^-1/2), logits divided by
 ``logits_scaling``."""
 
-from variantbench.backends.families.base import Family, register
+from variantbench.families.base import Family, register
 
 FAMILY = register(
     Family(
@@ -13,6 +13,5 @@ FAMILY = register(
         residual_scale_key="residual_multiplier",
         attn_scale_key="attention_multiplier",
         logit_divisor_key="logits_scaling",
-        recipes=frozenset({"keep-fp32", "mixed-bf16", "distill", "qat-int8"}),
     )
 )

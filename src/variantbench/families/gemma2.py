@@ -4,10 +4,10 @@ query_pre_attn_scalar^-1/2 and soft-capped (cap * tanh(s / cap)), sliding-window
 ``layer_types`` says, final logits soft-capped, GELU-tanh.
 
 transformers 5.25 runs Gemma 2 with eager attention only (``_supports_sdpa = False``: SDPA has no
-soft-capping); so do we on its layers: scores, cap, mask, float32 softmax. The SmoothQuant,
-layer-drop and head-prune transforms address Llama's two-norm block and are not offered."""
+soft-capping); so do we on its layers: scores, cap, mask, float32 softmax. SmoothQuant does not
+apply (its scales move through a Llama pre-norm; Gemma's (1 + w) sandwich is another layout)."""
 
-from variantbench.backends.families.base import Family, register
+from variantbench.families.base import Family, register
 
 FAMILY = register(
     Family(
@@ -26,6 +26,5 @@ FAMILY = register(
         attn_scale_inv_sqrt_key="query_pre_attn_scalar",
         attn_softcap_key="attn_logit_softcapping",
         final_softcap_key="final_logit_softcapping",
-        recipes=frozenset({"keep-fp32", "mixed-bf16", "distill", "qat-int8"}),
     )
 )

@@ -2,8 +2,8 @@
 a RoPE base of its own for the local (sliding-window) layers (``rope_by_layer_type``: transformers'
 rotary embedding takes the layer type), and no attention soft-cap by default."""
 
-from variantbench.backends.families.base import Family, register
-from variantbench.backends.families.gemma2 import FAMILY as GEMMA2
+from variantbench.families.base import Family, register
+from variantbench.families.gemma2 import FAMILY as GEMMA2
 
 FAMILY = register(
     Family(
@@ -19,6 +19,5 @@ FAMILY = register(
         attn_softcap_key="attn_logit_softcapping",
         final_softcap_key="final_logit_softcapping",
         rope_by_layer_type=True,
-        recipes=GEMMA2.recipes,
     )
 )

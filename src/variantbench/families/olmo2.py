@@ -2,7 +2,7 @@
 sum (``post_attention_layernorm``, ``post_feedforward_layernorm``), q and k normed over the whole
 projection (not per head) before RoPE, every norm scaling in float32 before the cast."""
 
-from variantbench.backends.families.base import Family, register
+from variantbench.families.base import Family, register
 
 FAMILY = register(
     Family(
@@ -11,6 +11,5 @@ FAMILY = register(
         norms={"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
         norm_upcast=True,
         qk_norm="all",
-        recipes=frozenset({"keep-fp32", "mixed-bf16", "distill", "qat-int8"}),
     )
 )

@@ -1,7 +1,7 @@
 """Mixtral: the Mistral block (sliding window over every layer when set) with a mixture of experts:
 softmax router, top ``num_experts_per_tok`` renormalized, the weights kept in float32."""
 
-from variantbench.backends.families.base import Experts, Family, register
+from variantbench.families.base import Experts, Family, register
 
 FAMILY = register(
     Family(
@@ -9,6 +9,5 @@ FAMILY = register(
         model_types=("mixtral",),
         sliding_every_layer=True,
         experts=Experts(normalize_key=None, weights_in_model_dtype=False),
-        recipes=frozenset({"keep-fp32", "qat-int8"}),
     )
 )

@@ -6,13 +6,12 @@ shared expert every token passes through, scaled by sigmoid(shared_expert_gate(x
 The experts are 3-D tensors in transformers 5, not ``nn.Linear``: the int8 and weight-only recipes
 quantize attention, the router-free shared expert and the head, and leave the experts as they are."""
 
-from variantbench.backends.families.base import Experts, Family, register
+from variantbench.families.base import Experts, Family, register
 
 FAMILY = register(
     Family(
         name="qwen2_moe",
         model_types=("qwen2_moe",),
         experts=Experts(normalize_key="norm_topk_prob", shared_expert=True),
-        recipes=frozenset({"keep-fp32", "qat-int8"}),
     )
 )

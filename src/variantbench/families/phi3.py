@@ -7,7 +7,7 @@ Longrope picks its short or long factors by the sequence length at each forward 
 the engine's tables are made once for the cache length, so they agree below
 ``original_max_position_embeddings`` (the short factors), which every test and default run stays under."""
 
-from variantbench.backends.families.base import Family, register
+from variantbench.families.base import Family, register
 
 FAMILY = register(
     Family(
@@ -16,6 +16,5 @@ FAMILY = register(
         qkv=("qkv_proj",),
         gate_up=("gate_up_proj",),
         sliding_every_layer=True,
-        recipes=frozenset({"keep-fp32", "mixed-bf16", "distill", "qat-int8"}),
     )
 )

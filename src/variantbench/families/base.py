@@ -18,17 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import importlib
+import json
+from pathlib import Path
 import pkgutil
 from typing import Any
 
-# the block's norm positions, by role: before attention ("attn_in"), on attention's output
+# The block's norm positions, by role: before attention ("attn_in"), on attention's output
 # before the residual sum ("attn_out", Gemma's sandwich and OLMo 2's post-norm), before the MLP
 # ("mlp_in") and on its output ("mlp_out")
 LLAMA_NORMS = {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
 NORM_ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
-# Structural recipes that rewrite a Llama-named block (q/k/v/o and gate/up/down projections,
-# input and post-attention norms) and the families whose checkpoints have those names.
+# the projection names of a Llama block (q/k/v under self_attn, gate/up under mlp)
 SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 SPLIT_MLP = ("gate_proj", "up_proj")
 
@@ -70,8 +71,6 @@ class Family:
     sliding_every_layer: bool = False  # config.sliding_window applies to all layers (Mistral, Phi-3)
     rope_by_layer_type: bool = False  # Gemma 3: local and global layers have their own RoPE base
     experts: Experts | None = None
-    # structural recipes this family's blocks can take (see variants/*: each checks this list)
-    recipes: frozenset[str] = frozenset()
     # what transformers does on CPU that our parity test found, with the version
     notes: str = ""
 
@@ -88,7 +87,7 @@ def register(family: Family) -> Family:
 
 
 def _load_all() -> None:
-    from variantbench.backends import families as package
+    from variantbench import families as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if info.name != "base":
@@ -106,3 +105,18 @@ def registered_types() -> list[str]:
     if not FAMILIES:
         _load_all()
     return sorted(FAMILIES)
+
+
+def model_type_of(folder: str | Path) -> str | None:
+    """``model_type`` from a Hugging Face folder's config.json, without importing transformers."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def family_of_folder(folder: str | Path) -> Family | None:
+    """The registered family of a model folder, or None (unregistered, or no config to read)."""
+    if not FAMILIES:
+        _load_all()
+    return FAMILIES.get(str(model_type_of(folder)))
