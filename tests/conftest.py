@@ -12,42 +12,14 @@ from pathlib import Path
 
 import pytest
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from variantbench.workloads import SyntheticLibrary
-
-    texts = [
-        s.prompt + " " + s.reference for s in (SyntheticLibrary(n=40, seed=1).sample(i) for i in range(40))
-    ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+from variantbench.models.tiny import tiny_tokenizer
 
 
 def build_tiny_llama(folder: Path, tie: bool = False, seed: int = 0, layers: int = 2) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

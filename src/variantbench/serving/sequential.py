@@ -11,6 +11,7 @@ line says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import inspect
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ class SequentialBatch:
         self.max_len = max_len
         self.stop_ids = frozenset(stop_ids)
         self._row: _Row | None = None
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (5.2x; the old name goes in 5.40)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def active(self) -> int:
@@ -56,8 +60,10 @@ class SequentialBatch:
 
     def _forward(self, ids: list[int], cache: Any) -> tuple[int, Any]:
         with torch.inference_mode():
-            out = self.model(torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True)
-        return int(out.logits[0, -1].argmax()), out.past_key_values
+            out = self.model(
+                torch.tensor([ids], device=self.device), use_cache=True, **{self._cache_arg: cache}
+            )
+        return int(out.logits[0, -1].argmax()), getattr(out, "cache", None) or out.past_key_values
 
     @on_compute
     def join(
