@@ -689,8 +689,17 @@ class Decoder:
                 # rows against their one shared KV head, so the cache is never expanded (copied)
                 # to Hq heads; the (key-only) mask broadcasts over the rows.
                 grouped = q.reshape(bsz, nkv, nq // nkv, d)
-                attn = attend(grouped, keys, values, spec, mask=attn_mask, q_index=q_index)
+                if spec.plain:  # SDPA inline: a call here is a frame of its own under torch.compile,
+                    # and its guards recompiled the compiled step at a new batch size
+                    attn = F.scaled_dot_product_attention(
+                        grouped, keys, values, attn_mask=attn_mask, scale=spec.scale
+                    )
+                else:
+                    attn = attend(grouped, keys, values, spec, mask=attn_mask, q_index=q_index)
                 attn = attn.reshape(bsz, nq, 1, d)
+            elif spec.plain:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=is_causal,
+                                                      scale=spec.scale, enable_gqa=nq != nkv)  # fmt: skip
             else:
                 attn = attend(q, keys, values, spec, mask=attn_mask, causal=is_causal, q_index=q_index,
                               enable_gqa=nq != nkv)  # fmt: skip

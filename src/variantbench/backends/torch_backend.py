@@ -74,9 +74,11 @@ class TorchBackend:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    @on_compute
-    def load(self) -> LoadInfo:
-        # built before the startup clock starts (a no-op when the build step handed it over)
+    def _load_model(self) -> tuple[Any, int, list[str], int]:
+        """What every in-process torch backend loads, in order: the artifact (built before the startup
+        clock starts; a no-op when the build step handed it over), then, timed from the returned
+        ``t0``, the tokenizer, the model in fp32 with what a build added put back, the device and the
+        load-time recipes. Returns (model, parameters before quantization, caveats, t0)."""
         self.artifact = ensure_artifact(
             self.model_dir, self.spec, self.artifact, self.build_seed, self.status
         )
@@ -85,12 +87,8 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from variantbench.backends.engine import Decoder, UnsupportedModel
-        from variantbench.families import family_for, registered_types
-        from variantbench.variants import apply_recipes, weight_format
+        from variantbench.variants import apply_recipes
         from variantbench.variants.base import restore_built
-        from variantbench.variants.compiled import COMPILE_ATTRIBUTE
-        from variantbench.variants.measure import param_bytes
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()  # e.g. the linear-attn weights it does not know, put back below
@@ -99,8 +97,7 @@ class TorchBackend:
             self._pinned_threads = True
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
-        recipes, load_time = self.spec.recipes, self.spec.load_chain
-        source, built = self.artifact.source_dir, self.artifact.manifest
+        source, load_time = self.artifact.source_dir, self.spec.load_chain
         self._tokenizer = AutoTokenizer.from_pretrained(source)
         model = restore_built(
             AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), source
@@ -110,6 +107,20 @@ class TorchBackend:
             model = model.to(self.device)
         model = apply_recipes(model, load_time)
         caveats = [c for r in load_time if (c := r.caveat(torch.device(self.device)))]
+        return model, parameters, caveats, t0
+
+    @on_compute
+    def load(self) -> LoadInfo:
+        import torch
+
+        from variantbench.backends.engine import Decoder, UnsupportedModel
+        from variantbench.families import family_for, registered_types
+        from variantbench.variants import weight_format
+        from variantbench.variants.compiled import COMPILE_ATTRIBUTE
+        from variantbench.variants.measure import param_bytes
+
+        model, parameters, caveats, t0 = self._load_model()
+        recipes, load_time, built = self.spec.recipes, self.spec.load_chain, self.artifact.manifest
         for caveat in caveats if self.status else ():
             self.status(caveat)
         nbytes = param_bytes(model)

@@ -21,10 +21,8 @@ import time
 from typing import Any
 
 from variantbench.backends.base import Encoded, GenerationRequest, GenerationResult, LoadInfo
-from variantbench.backends.torch_backend import TorchBackend, _pin_threads
+from variantbench.backends.torch_backend import TorchBackend
 from variantbench.compute import on_compute
-from variantbench.errors import UserError
-from variantbench.variants.spec import ensure_artifact
 
 FALLBACK_NOTE = (
     "transformers fallback: this architecture has no engine family, so transformers' own generate "
@@ -55,34 +53,15 @@ class TransformersBackend(TorchBackend):
 
     @on_compute
     def load(self) -> LoadInfo:
-        self.artifact = ensure_artifact(
-            self.model_dir, self.spec, self.artifact, self.build_seed, self.status
-        )
-        t0 = time.perf_counter_ns()
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        from variantbench.variants import apply_recipes, weight_format
+        from variantbench.variants import weight_format
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
         from variantbench.variants.measure import param_bytes
 
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        if self.threads:
-            _pin_threads(self.threads)
-            self._pinned_threads = True
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError("--device cuda was asked for but torch sees no CUDA device")
-        source = self.artifact.source_dir
-        self._tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-        parameters = sum(p.numel() for p in model.parameters())
-        if self.device != "cpu":
-            model = model.to(self.device)
+        model, parameters, caveats, t0 = self._load_model()
         load_time = self.spec.load_chain
-        model = apply_recipes(model, load_time)
-        caveats = [c for r in load_time if (c := r.caveat(torch.device(self.device)))] + [FALLBACK_NOTE]
+        caveats.append(FALLBACK_NOTE)
         for caveat in caveats if self.status else ():
             self.status(caveat)
         compile_options = getattr(model, COMPILE_ATTRIBUTE, None)

@@ -71,8 +71,6 @@ class Family:
     sliding_every_layer: bool = False  # config.sliding_window applies to all layers (Mistral, Phi-3)
     rope_by_layer_type: bool = False  # Gemma 3: local and global layers have their own RoPE base
     experts: Experts | None = None
-    # what transformers does on CPU that our parity test found, with the version
-    notes: str = ""
 
 
 FAMILIES: dict[str, Family] = {}

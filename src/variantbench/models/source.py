@@ -126,6 +126,17 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def _gguf_architecture(path: Path) -> str | None:
+    """``general.architecture`` of a GGUF file (None: not a readable GGUF)."""
+    import gguf as gguf_py
+
+    try:
+        field = gguf_py.GGUFReader(path).fields.get("general.architecture")
+        return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except Exception:  # noqa: BLE001 - a broken file: the caller's own error says so
+        return None
+
+
 def gguf_to_hf(gguf: Path, say: Status, cache: Path) -> Path:
     """Dequantize a GGUF once into a cached safetensors folder (fp32 weights + tokenizer)."""
     target = cache / "models" / f"{gguf.stem}-{_file_key(gguf)}"
@@ -158,6 +169,15 @@ def gguf_to_hf(gguf: Path, say: Status, cache: Path) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         except Exception as exc:  # transformers raises many types for a bad file
+            arch = _gguf_architecture(gguf)
+            supported = [
+                a for a in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")
+            ]
+            if arch is not None and arch not in supported:
+                raise UserError(
+                    f"cannot convert GGUF {gguf.name}: its architecture {arch!r} is not one transformers' GGUF "
+                    f"loader reads ({', '.join(supported)}); give the model as a Hugging Face folder"
+                ) from exc
             raise UserError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0]) from exc
     # A model loaded from GGUF refuses save_pretrained (it carries a gguf quantization_config):
     # rebuild the same architecture from a clean copy of its config and move the weights over.
