@@ -155,6 +155,7 @@ class TorchBackend:
             "torch_version": torch.__version__,
             "architecture": type(model).__name__,
             "family": family.name,
+            "prompt_format": self.prompt_format(),
             "layers": len(self._decoder.layers),
             "parameters": parameters,
         }
@@ -228,6 +229,12 @@ class TorchBackend:
         return self._max_positions
 
     # ---- generation -----------------------------------------------------------------------------
+
+    def prompt_format(self) -> str:
+        """How samples become token ids: the model's own chat template, or plain completion text."""
+        if getattr(self._tokenizer, "chat_template", None):
+            return "chat template"
+        return "plain completion (the tokenizer has no chat template)"
 
     def _first_token_id(self) -> int:
         tok = self._tokenizer

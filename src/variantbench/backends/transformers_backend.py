@@ -95,6 +95,7 @@ class TransformersBackend(TorchBackend):
             "torch_version": torch.__version__,
             "architecture": type(model).__name__,
             "model_type": getattr(model.config, "model_type", None),
+            "prompt_format": self.prompt_format(),
             "parameters": parameters,
         }
         if compile_options:

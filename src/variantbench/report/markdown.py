@@ -385,13 +385,22 @@ def _server_latency(report: Report) -> list[str]:
 
 
 def backend_lines(report: Report) -> list[str]:
-    """Which backend measured each variant, when it is not our engine for all of them."""
+    """Which backend measured each variant, when it is not our engine for all of them, and how
+    prompts were written when not through the model's chat template."""
     from variantbench.analysis.recommend import engine_of
 
     by = {r.variant: engine_of(r) for r in report.runs if r.backend}
+    plain = sorted(
+        {
+            str(f)
+            for r in report.runs
+            if (f := (r.backend or {}).get("prompt_format")) and f != "chat template"
+        }
+    )
+    lines = [f"Prompts: {f}." for f in plain]
     if set(by.values()) <= {"torch"}:
-        return []
-    lines = [f"Measured by: {', '.join(f'{v} on {b}' for v, b in by.items())}."]
+        return lines
+    lines.insert(0, f"Measured by: {', '.join(f'{v} on {b}' for v, b in by.items())}.")
     if "transformers" in by.values():
         lines.append(
             "The transformers fallback ran this model's architecture (no engine family): transformers' own "
