@@ -121,3 +121,27 @@ def test_a_misdescribed_family_fails_parity() -> None:
         wrong = Decoder(model, dataclasses.replace(family_for(model.config), **change))
         prefill, _ = _our_step_logits(wrong, prompt, [1])
         assert (prefill - reference).abs().max().item() > 100 * TOLERANCE, (name, change)
+
+
+ROPE_VARIANTS = {
+    "linear": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, 2048),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}, 64),
+    # the two whose frequencies depend on the forward's length: decode runs past the original 16 positions
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}, 16),
+    "longrope": ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                  "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.1 * i for i in range(8)]}, 2048),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_VARIANTS))
+def test_rope_variants_match_transformers_past_the_original_context(kind: str) -> None:
+    params, positions = ROPE_VARIANTS[kind]
+    model = tiny_model(
+        tiny_config("llama", VOCAB, rope_parameters=params, max_position_embeddings=positions), seed=3
+    )
+    prompt = PROMPTS["a"][0]  # 14 tokens; 32 more pass 16 positions
+    want_tokens, want_logits = _hf_greedy(model, prompt, STEPS)
+    dec = Decoder(model)
+    prefill, steps = _our_step_logits(dec, prompt, want_tokens)
+    assert max((a - b).abs().max().item() for a, b in zip(steps, want_logits, strict=True)) < TOLERANCE
+    assert Decoder(model).generate([prompt], STEPS).token_ids[0] == want_tokens

@@ -581,14 +581,49 @@ class Decoder:
             tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
             for key in dict.fromkeys(layer.rope for layer in self.layers):
                 with torch.no_grad():
-                    cos, sin = (
-                        self.rotary(probe, positions) if key is None else self.rotary(probe, positions, key)
-                    )
+                    cos, sin = self._rope_rows(key, probe, positions)
                 sin = sin[0].to(self.dtype).clone()
                 sin[..., : sin.shape[-1] // 2] *= -1
                 tables[key] = (cos[0].to(self.dtype), sin)
             self._rope_cache = tables
         return self._rope_cache
+
+    def _rope_rows(
+        self, key: str | None, probe: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` [1, N] for one rotary table, each row as transformers computes
+        the token at that position when it is decoded.
+
+        Two RoPE variants depend on the length of the forward they run in: "dynamic" (NTK) rescales
+        beyond the original context by the longest position seen, "longrope" (Phi-3) switches to
+        its long factors once a forward passes the original context. Rows below the original context
+        come from one call (unscaled, the short factors), rows past it from calls ending at their own
+        position (longrope: one call; dynamic: one a row, in increasing order as transformers grows
+        its cache). So a decode step matches transformers exactly; a prompt prefilled past the original
+        context does not (transformers rotates it whole with the frequencies of its last position)."""
+        rotary = self.rotary
+        call = (lambda pos: rotary(probe, pos)) if key is None else (lambda pos: rotary(probe, pos, key))
+        kinds = getattr(rotary, "rope_type", "default")
+        kind = kinds.get(key, "default") if isinstance(kinds, dict) else kinds
+        params = getattr(self.config, "rope_parameters", None) or {}
+        params = params.get(key, params) if key is not None else params
+        if "dynamic" in str(kind):
+            original = int(getattr(rotary, "original_max_seq_len", 0) or 0)
+        elif kind == "longrope":
+            original = int(params.get("original_max_position_embeddings") or 0)
+        else:
+            original = 0
+        size = positions.shape[-1]
+        if not original or size <= original:
+            return call(positions)
+        if kind == "longrope":
+            parts = [call(positions[:, :original]), call(positions[:, original:])]
+        else:  # a first short call resets what an earlier, longer forward left in the module
+            call(positions[:, :1])
+            parts = [call(positions[:, :original])] + [
+                call(positions[:, p : p + 1]) for p in range(original, size)
+            ]
+        return torch.cat([c for c, _ in parts], 1), torch.cat([s for _, s in parts], 1)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@
 engine rotates the first dims the rotary table covers), longrope scaling through transformers'
 rotary embedding, and a sliding window over every layer when the config sets one.
 
-Longrope picks its short or long factors by the sequence length at each forward in transformers;
-the engine's tables are made once for the cache length, so they agree below
-``original_max_position_embeddings`` (the short factors), which every test and default run stays under."""
+Longrope picks its short or long factors by the length of each forward in transformers; the
+engine's table rows past ``original_max_position_embeddings`` use the long factors, as a decode step
+there does (``Decoder._rope_rows``), so decoding matches transformers; a prompt prefilled past it
+does not (transformers rotates the whole prompt with the long factors)."""
 
 from variantbench.families.base import Family, register
 
