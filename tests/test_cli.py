@@ -98,7 +98,7 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == SCHEMA_VERSION == "1.3"
+    assert report["schema_version"] == SCHEMA_VERSION == "1.4"
     # the standard runs first whatever the order given: the others are compared with it
     assert [r["variant"] for r in report["runs"]] == ["fp32", "int8"]
     assert report["workload"]["tasks"] == {"qa": 2, "classification": 2}
@@ -117,8 +117,11 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
         assert run["per_task"]["qa"]["queries"] == 2 and run["per_task"]["qa"]["latency_ms"]["p50"] > 0
         gate = run["quality_vs_standard"]
         assert gate["standard"] == "fp32" and gate["gate"] in (
-            ("n/a",) if run["variant"] == "fp32" else ("PASS", "FAIL")
+            ("n/a",) if run["variant"] == "fp32" else ("PASS", "FAIL", "UNDECIDED")
         )
+        if run["variant"] != "fp32":  # the gate is the state of a paired interval, and says which
+            assert gate["state"] in ("meets", "fails", "undecided", "tied") and gate["comparisons"]
+            assert run["likelihood"]["samples"] == 4 and run["likelihood"]["kl_mean"] is not None
         assert run["resources"]["startup_s"] > 0 and run["resources"]["peak_rss_bytes"] > 0
         assert run["queries"] == {"issued": 4, "completed": 4, "errors": 0}
     runs = {r["variant"]: r for r in report["runs"]}

@@ -49,7 +49,11 @@ def test_an_urgent_prompt_gets_the_step_alone_and_the_rows_pause() -> None:
 
 
 def test_urgent_prompts_go_one_per_step_in_order_so_a_later_one_never_delays_an_earlier_one() -> None:
-    pending = [Pending("second", 0, 60, seq=2), Pending("first", 0, 90, seq=1), Pending("batch", 1, 900, seq=0)]
+    pending = [
+        Pending("second", 0, 60, seq=2),
+        Pending("first", 0, 90, seq=1),
+        Pending("batch", 1, 900, seq=0),
+    ]
     urgency = Urgency(priority=0, slo_s=0.5, prompt_tokens=120, waiting=False)
     plan = plan_prefill(pending, chunk=256, rows=5, cost=_cost(), urgency=urgency)
     assert plan == StepPlan([("first", 90)], decode=False)

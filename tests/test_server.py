@@ -403,7 +403,10 @@ def test_serve_command_rejects_bad_options_in_one_line(tiny_model_dir: Path) -> 
         (["--prefix-cache-mb", "-1"], "prefix-cache-mb"),
         (["--weight-layout", "split"], "weight-layout"),
         (["--kv-cache-gb", "0"], "kv-cache-gb must be positive"),
-        (["--kv-cache-gb", "0.00001"], "less than one request of --max-len"),  # found once the model is loaded
+        (
+            ["--kv-cache-gb", "0.00001"],
+            "less than one request of --max-len",
+        ),  # found once the model is loaded
         (["--kv-cache-gb", "0.00001", "--kv-cache", "contiguous"], "contiguous KV cache needs"),
     ]:
         result = runner.invoke(app, ["serve", "--model", str(tiny_model_dir), *args])

@@ -54,9 +54,7 @@ def test_int8_decodes_close_to_fp32(tiny_model_dir) -> None:
     prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
     fp32 = Decoder(_load(tiny_model_dir)).generate(prompt, 8).token_ids[0]
     int8 = (
-        Decoder(apply_recipes(_load(tiny_model_dir), parse_variant("int8")))
-        .generate(prompt, 8)
-        .token_ids[0]
+        Decoder(apply_recipes(_load(tiny_model_dir), parse_variant("int8"))).generate(prompt, 8).token_ids[0]
     )
     assert int8[:3] == fp32[:3]  # quantization noise may flip later tokens, not the first ones
 

@@ -217,6 +217,11 @@ class QualityPlan(_Section):
         True, description="logit fidelity: perplexity, KL and top-1 agreement vs the standard"
     )
     fidelity_text: Path | None = Field(None, description="held-out text for logit fidelity (default: pydoc_data.topics)")  # fmt: skip
+    likelihood: bool = Field(
+        True,
+        description="likelihood scores on the workload's samples: the reference's log-likelihood, choices by "
+        "log-probability, KL and top-1 agreement on the samples' own positions (local variants)",
+    )
 
 
 class AnalysisPlan(_Section):

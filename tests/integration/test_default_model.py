@@ -48,7 +48,11 @@ def test_default_model_end_to_end(tmp_path: Path) -> None:
     assert 128 <= tokens["min"] <= tokens["max"] <= 640 and report["workload"]["counted_with"]
     # logit fidelity on pydoc_data.topics: a real model predicts English documentation well
     assert 3 < fp32["quality"]["perplexity"] < 40 and fp32["quality"]["top1_agreement"] == 1.0
-    assert int8["quality"]["kl_mean"] > 0.01 and int8["quality_vs_standard"]["gate"] in ("PASS", "FAIL")
+    assert int8["quality"]["kl_mean"] > 0.01 and int8["quality_vs_standard"]["gate"] in (
+        "PASS",
+        "FAIL",
+        "UNDECIDED",
+    )
     assert sum(t["queries"] for t in fp32["per_task"].values()) == 3 * looks
     outputs = [json.loads(line)["output"] for line in (out / "queries.jsonl").read_text().splitlines()]
     assert len(outputs) == 6 * looks and all(o.strip() for o in outputs)

@@ -92,13 +92,8 @@ def check(run: Any, standard: Any, s: Profile, comparisons: Sequence[dict[str, A
         fails.append(f"peak memory {_mb(rss)} > budget {_mb(s.memory_budget_bytes)}")
     if not s.gpu and str(run.backend.get("device", "cpu")).startswith("cuda"):
         fails.append("runs on a GPU; this profile has none")
-    if s.quality_floor is not None:
-        vs = run.quality_vs_standard
-        ratio_q = 1.0 if is_standard else (vs.ratio if vs else None)
-        if ratio_q is None:
-            fails.append("no quality measured against the standard")
-        elif ratio_q < s.quality_floor:
-            fails.append(f"quality {ratio_q:.1%} of the standard's < floor {s.quality_floor:.0%}")
+    if s.quality_floor is not None and not is_standard:
+        fails.extend(quality_fails(run.quality_vs_standard, s.quality_floor))
     for task, floor in s.task_floors.items():
         mine = run.per_task.get(task).quality.composite if run.per_task.get(task) else None
         theirs = (standard.per_task.get(task).quality.composite
@@ -117,6 +112,42 @@ def check(run: Any, standard: Any, s: Profile, comparisons: Sequence[dict[str, A
     if s.min_throughput_vs_standard is not None and standard is not None and not is_standard:
         fails.extend(_throughput_fails(run, standard, s.min_throughput_vs_standard, comparisons, band))
     return fails
+
+
+UNDECIDED_QUALITY = "quality undecided"
+
+
+def quality_fails(vs: Any, floor: float) -> list[str]:
+    """The profile's quality floor read on the paired intervals (``metrics/quality_compare.py``):
+    the gate's deciding comparison's state at this floor. An undecided one is neither a pass nor a
+    fail: it keeps the variant out and its line says so (``UNDECIDED_QUALITY``), with the samples
+    likely to decide it. Without an interval (under 3 paired samples), the point ratio, said as such."""
+    from variantbench.metrics.quality_compare import ratio_state, samples_to_decide
+
+    if vs is None:
+        return ["no quality measured against the standard"]
+    if vs.state == "tied":
+        return []
+    deciding = next((c for c in vs.comparisons if c.state is not None and c.metric != "fidelity"), None)
+    if deciding is None:
+        if vs.ratio is None:
+            return ["no quality measured against the standard"]
+        return ([f"quality {vs.ratio:.1%} of the standard's < floor {floor:.0%} (a point estimate: too few "
+                 "samples for an interval)"] if vs.ratio < floor else [])  # fmt: skip
+    lo, hi = deciding.ci_low, deciding.ci_high
+    state = ratio_state(lo, hi, floor)
+    shown = (f"{deciding.metric} {deciding.value:.1%} [{lo:.1%}, {hi:.1%}] of the standard's on {deciding.pairs} "
+             "samples" if deciding.value is not None and lo is not None and hi is not None
+             else f"{deciding.metric}: no interval")  # fmt: skip
+    if state == "meets":
+        return []
+    if state == "fails":
+        return [f"quality below the floor {floor:.0%}: {shown}"]
+    more = samples_to_decide(deciding.pairs, deciding.value, lo, hi, floor)
+    return [
+        f"{UNDECIDED_QUALITY} against the {floor:.0%} floor: {shown}"
+        + (f"; about {more} samples would decide it" if more else "")
+    ]
 
 
 def _throughput_fails(run: Any, standard: Any, need: float, comparisons: Sequence[dict[str, Any]],
@@ -206,6 +237,7 @@ def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequ
     standard = next((r for r in runs if r.variant == standard_name and r.status == "ok"), None)
     reasons: dict[str, str] = {}
     fit = []
+    held_back = []  # variants that meet every constraint but an undecided quality gate
     for run in runs:
         fails = check(run, standard, s, comparisons, band)
         if standard is not None and not mix_backends and engine_of(run) != engine_of(standard):
@@ -215,6 +247,8 @@ def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequ
             )
         if fails:
             reasons[run.variant] = "; ".join(fails)
+            if all(f.startswith(UNDECIDED_QUALITY) for f in fails):
+                held_back.append(run.variant)
         else:
             fit.append(run)
     by_batch = s.min_throughput_vs_standard is not None and all(batch_rate(r) for r in fit)
@@ -253,15 +287,20 @@ def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequ
                    + (f", faster than {nxt.variant} on {metric} ({_ci(c)})" if c else ""))  # fmt: skip
         chosen = chosen_run.variant
         reasons[chosen] = f"{why}; {reasons[chosen]}"
+    undecided = [f"{name} ({reasons[name]})" for name in held_back]
+    summary = (
+        f"deploy {chosen} ({reasons[chosen]})" if chosen else "no measured variant meets every constraint"
+    )
+    if undecided:
+        summary += "; undecided on quality, so not recommended: " + "; ".join(undecided)
     return {
         "variant": chosen,
         "reasons": reasons,
+        "undecided_quality": held_back,
         "eligible": [r.variant for r in fit],
         "tied": sorted(ties),
         "ranked_by": "batch-8 decode tokens/s" if by_batch else "cost per 1M output tokens",
         "constraints": s.model_dump(exclude_defaults=True),
         "description": s.description,
-        "summary": (
-            f"deploy {chosen} ({reasons[chosen]})" if chosen else "no measured variant meets every constraint"
-        ),  # fmt: skip
+        "summary": summary,
     }

@@ -103,6 +103,18 @@ class LogProbs(Protocol):
 
 
 @runtime_checkable
+class ScoresLikelihood(Protocol):
+    """Log-probabilities of a sample's own text: its request encoded as the harness sends it, a
+    continuation tokenized, and the next-token log-probs of both (``metrics/likelihood.py``)."""
+
+    def encode(self, request: GenerationRequest) -> list[int]: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def token_log_probs(self, ids: list[int]) -> Any: ...
+
+
+@runtime_checkable
 class Profilable(Protocol):
     """Our own decoder, whose labelled regions the diagnosis profiles by operator family."""
 

@@ -116,6 +116,19 @@ def _bootstrap(
     return None, None
 
 
+def mean_interval(values: Sequence[float], seed: int = 0, resamples: int = RESAMPLES,
+                  confidence: float = 1 - ALPHA) -> tuple[float | None, float | None]:  # fmt: skip
+    """BCa interval of a mean over samples (a constant sample: the constant itself; under 3: none)."""
+    data = np.asarray(values, dtype=float)
+    if len(data) < 3:
+        return None, None
+    if np.all(data == data[0]):
+        return float(data[0]), float(data[0])
+    return _bootstrap(
+        (data,), lambda x, axis=-1: x.mean(axis), seed, resamples, paired=False, confidence=confidence
+    )
+
+
 def _log_ratios(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
     """log(a_i / b_i) over the pairs where both are positive."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)

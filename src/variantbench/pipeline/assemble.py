@@ -91,7 +91,7 @@ def summarize_payload(
     """One variant's run from its raw results and its query records: summary, resources, cost, A/B."""
     from variantbench.analysis.cost import derive
     from variantbench.metrics.windows import windows as make_windows
-    from variantbench.report.schema import Cost, Diagnosis
+    from variantbench.report.schema import Cost, Diagnosis, Likelihood, SampleLikelihood
     from variantbench.trackers.resources import sample_from_row, window_resources
 
     fidelity = payload.get("fidelity") or {}
@@ -107,6 +107,11 @@ def summarize_payload(
         criteria=criteria,
         fidelity={k: fidelity.get(k) for k in ("perplexity", "kl_mean", "kl_p99", "top1_agreement")},
     )
+    if payload.get("likelihood"):
+        lk = payload["likelihood"]
+        run.likelihood = Likelihood(
+            **lk["summary"], per_sample=[SampleLikelihood(**s) for s in lk["samples"]]
+        )
     if payload.get("build"):
         run.backend["build"] = payload["build"]
     if payload.get("phases_s"):
@@ -151,6 +156,7 @@ def summarize_payload(
             run.quality_vs_standard = compare_to_standard(
                 run, records, std_run, std_records,
                 threshold=plan.quality.threshold / 100, length_tolerance=plan.quality.length_tolerance / 100,
+                likelihood=run.likelihood, standard_likelihood=std_run.likelihood,
             )  # fmt: skip
             run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
     histograms = (payload.get("server_metrics") or {}).get("latency_histograms")

@@ -81,6 +81,9 @@ class MeasureJob:
     find_peak: bool = False
     criteria: Criteria = field(default_factory=Criteria)
     fidelity: Any = None  # metrics.fidelity.FidelitySpec, or None to skip logit fidelity
+    likelihood: Any = (
+        None  # metrics.likelihood.LikelihoodSpec, or None to skip the samples' likelihood scores
+    )
     is_standard: bool = False
     watts_per_core: float = 10.0
     diagnose: bool = False

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from variantbench.backends.base import LogProbs, ReportsStatus
+from variantbench.backends.base import LogProbs, ReportsStatus, ScoresLikelihood
 from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
 from variantbench.report.schema import Resources
@@ -159,6 +159,14 @@ class VariantSession:
                 start = time.perf_counter()
                 fidelity = measure(backend, job.fidelity, job.is_standard)
                 self.phases["fidelity"] = time.perf_counter() - start
+            likelihood = None
+            if job.likelihood is not None and isinstance(backend, ScoresLikelihood):
+                from variantbench.metrics import likelihood as lk
+
+                emit(("status", "likelihood scores on the workload's samples"))
+                start = time.perf_counter()
+                likelihood = lk.measure(backend, job.workload.samples, job.likelihood, job.is_standard)
+                self.phases["likelihood"] = time.perf_counter() - start
             diagnosis = None
             if job.diagnose and job.endpoint is None:
                 from variantbench.analysis.diagnosis import diagnose_backend
@@ -178,7 +186,7 @@ class VariantSession:
                 self.phases["diagnosis"] = time.perf_counter() - start
         finally:
             self.close()
-        return self._payload(fidelity, diagnosis)
+        return {**self._payload(fidelity, diagnosis), "likelihood": likelihood}
 
     def interim(self, emit: Emit) -> dict[str, Any]:
         """The raw payload of the blocks so far, the variant kept loaded (no fidelity, no diagnosis):

@@ -245,6 +245,11 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         text = plan.quality.fidelity_text
         fidelity = FidelitySpec(text_path=str(text) if text else None, cache_dir=str(cache_root() / "fidelity"),
                                 model_key=base_dir)  # fmt: skip
+    likelihood = None
+    if plan.quality.likelihood and not endpoints:
+        from variantbench.metrics.likelihood import LikelihoodSpec
+
+        likelihood = LikelihoodSpec(cache_dir=str(cache_root() / "likelihood"), model_key=base_dir)
     analyze = not endpoints and plan.is_timed  # an untimed pass has no speed to explain; a server no weights
     counters = ""
     if plan.analysis.diagnose and analyze:
@@ -277,7 +282,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         header.execution["nodes"] = nodes
     return RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
                        log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
-                       fidelity=fidelity, analyze=analyze, counters=counters, find_peak=find_peak,
+                       fidelity=fidelity, likelihood=likelihood, analyze=analyze, counters=counters, find_peak=find_peak,
                        interleave=interleave, at_once=at_once, raws=kept_raws, records=kept_records)  # fmt: skip
 
 
@@ -313,6 +318,7 @@ class RunContext:
     executor: Executor
     endpoints: dict[str, Endpoint]  # served variants by name ({} for local ones)
     fidelity: Any
+    likelihood: Any
     analyze: bool
     counters: str
     find_peak: bool
@@ -329,6 +335,7 @@ class RunContext:
             load=load_settings(plan, rid, len(self.library)), spec=self.specs.get(variant), artifact=artifact,
             base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoints.get(variant),
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
+            likelihood=self.likelihood if repeat == 0 else None,
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
             diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
             batch_rounds=plan.analysis.batch_rounds if self.analyze else 0, scrape_s=plan.execution.scrape_s,

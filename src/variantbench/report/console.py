@@ -85,7 +85,7 @@ def _gate(run: RunReport) -> str:
     q = run.quality_vs_standard
     if q is None or q.gate == "n/a":
         return "standard" if q is not None and q.standard == run.variant else "-"
-    colour = "green" if q.gate == "PASS" else "red"
+    colour = {"PASS": "green", "UNDECIDED": "yellow"}.get(q.gate, "red")
     return f"[{colour}]{q.gate}[/{colour}]"
 
 

@@ -86,6 +86,34 @@ def _comparison(report: Report) -> list[str]:
     )  # fmt: skip
 
 
+def _quality_gates(report: Report) -> list[str]:
+    """Every paired quality comparison with the standard: value, interval, samples, margin, state."""
+    rows = []
+    for r in report.runs:
+        vs = r.quality_vs_standard
+        if vs is None or not vs.comparisons:
+            continue
+        for c in vs.comparisons:
+            ci = (f"{c.value:.3g} [{c.ci_low:.3g}, {c.ci_high:.3g}]" if c.value is not None
+                  and c.ci_low is not None and c.ci_high is not None else _f(c.value, ".3g"))  # fmt: skip
+            floor = (
+                "-"
+                if c.floor is None
+                else (f"KL < {c.floor:g}" if c.metric == "fidelity" else f"{c.floor:.1%}")
+            )
+            state = c.state or "(evidence)"
+            if c.more_samples:
+                state += f": about {c.more_samples} samples would decide it"
+            rows.append([r.variant, c.metric, ci, str(c.pairs), floor, state])
+    if not rows:
+        return []
+    lines = ["## Quality against the standard (paired by sample)", "",
+             "Each score on the samples both answered; BCa 95% intervals. A ratio's gate: *meets* when the "
+             "interval clears the floor, *fails* below it, *undecided* across it; fidelity (KL on the samples' "
+             "own positions) below its tie level decides a tie first.", ""]  # fmt: skip
+    return lines + _table(["variant", "score", "value [95% CI]", "samples", "floor", "state"], rows) + [""]
+
+
 def _ab(report: Report) -> list[str]:
     rows = []
     for r in report.runs:
@@ -430,6 +458,7 @@ def render(report: Report) -> str:
         "",
         *_comparison(report),
         "",
+        *_quality_gates(report),
         *_percentiles(report),
         *_server_latency(report),
         *_ab(report),

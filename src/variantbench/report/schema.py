@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 
 
 class _Model(BaseModel):
@@ -60,6 +60,20 @@ class Quality(_Model):
     top1_agreement: float | None = None  # share of positions whose argmax is the standard's
 
 
+class QualityComparisonReport(_Model):
+    """One paired quality comparison with the standard (``metrics/quality_compare.py``)."""
+
+    metric: str
+    value: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    confidence: float = 0.95
+    pairs: int = 0
+    floor: float | None = None
+    state: str | None = None  # "meets" | "fails" | "undecided" | "tied"; None: evidence only
+    more_samples: int | None = None
+
+
 class QualityVsStandard(_Model):
     """MLPerf-style gates against the standard variant on the same samples."""
 
@@ -70,8 +84,42 @@ class QualityVsStandard(_Model):
     length_ratio: float | None = None  # mean output tokens / the standard's, same samples
     quality_threshold: float = 0.99
     length_tolerance: float = 0.10
-    gate: str = "n/a"  # "PASS" | "FAIL" | "n/a" (the standard itself, or nothing to compare)
+    gate: str = "n/a"  # "PASS" | "FAIL" | "UNDECIDED" | "n/a" (the standard itself, or nothing to compare)
     reasons: list[str] = Field(default_factory=list)
+    # paired intervals by sample: the deciding one's state is the gate's (see metrics/quality_compare.py)
+    state: str | None = None  # "meets" | "fails" | "undecided" | "tied" | None (too few paired samples)
+    decided_by: str | None = None
+    comparisons: list[QualityComparisonReport] = Field(default_factory=list)
+
+
+class SampleLikelihood(_Model):
+    """One sample's likelihood scores (``metrics/likelihood.py``): paired with the standard's by sample."""
+
+    sample_id: str
+    task: str = ""
+    ref_logprob: float | None = None  # log p(reference tokens | prompt), summed
+    ref_tokens: int | None = None
+    ref_logprob_per_token: float | None = None
+    choice_logprobs: dict[str, float] = Field(default_factory=dict)
+    choice: str | None = None  # the most likely choice
+    acc: float | None = None  # 1.0 when the most likely choice is the reference
+    acc_norm: float | None = None  # the same, log-probabilities per byte of the choice (lm-eval's acc_norm)
+    kl: float | None = None  # KL(standard || this variant), mean over the sample's scored positions
+    top1: float | None = None  # share of those positions where its most likely token is the standard's
+
+
+class Likelihood(_Model):
+    """Means over the workload's samples, and each sample's scores."""
+
+    samples: int = 0
+    ref_logprob_per_token: float | None = None
+    ref_perplexity: float | None = None
+    choice_accuracy: float | None = None
+    choice_accuracy_norm: float | None = None
+    choice_samples: int = 0
+    kl_mean: float | None = None  # on the samples' own positions (the held-out text's is quality.kl_mean)
+    top1_agreement: float | None = None
+    per_sample: list[SampleLikelihood] = Field(default_factory=list)
 
 
 class TaskReport(_Model):
@@ -268,6 +316,7 @@ class RunReport(_Model):
     speed: Speed = Field(default_factory=Speed)
     quality: Quality = Field(default_factory=Quality)
     quality_vs_standard: QualityVsStandard | None = None
+    likelihood: Likelihood | None = None  # None: not measured (served variants, or quality.likelihood off)
     per_task: dict[str, TaskReport] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
     cost: Cost | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
+from typing import Any
 
 from variantbench.loadgen.scenarios import SCENARIOS
 from variantbench.loadgen.validity import Target, judge
@@ -18,6 +19,7 @@ from variantbench.report.schema import (
     LatencyDist,
     Outliers,
     Quality,
+    QualityComparisonReport,
     QualityVsStandard,
     Queries,
     Resources,
@@ -334,12 +336,20 @@ def compare_to_standard(
     standard_records: Sequence[QueryRecord],
     threshold: float = 0.99,
     length_tolerance: float = 0.10,
+    likelihood: Any = None,
+    standard_likelihood: Any = None,
 ) -> QualityVsStandard:
     """MLPerf-style gates: quality >= threshold x the standard's, mean output length within tolerance.
 
     Both are taken on the samples both variants answered (first answer per sample; greedy decoding
     answers a repeated sample the same way), so a variant cannot win by answering fewer or shorter.
+    Quality is decided on paired intervals (``metrics/quality_compare.py``): the gate PASSes when
+    the deciding interval meets the threshold (or fidelity ties), FAILs when it lies below, and is
+    UNDECIDED between; with fewer than 3 paired samples and no likelihood scores it falls back to the
+    point ratio and says so. ``likelihood``: the two runs' ``Likelihood`` reports, where measured.
     """
+    from variantbench.metrics.quality_compare import compare, gate_state
+
     result = QualityVsStandard(
         standard=standard.variant, quality_threshold=threshold, length_tolerance=length_tolerance
     )
@@ -367,9 +377,18 @@ def compare_to_standard(
     base, q = standard.quality.composite, run.quality.composite
     if base and q is not None:
         result.ratio = q / base
+    comparisons = compare(run.variant, records, likelihood, standard.variant, standard_records,
+                          standard_likelihood, floor=threshold)  # fmt: skip
+    result.comparisons = [QualityComparisonReport(**{k: v for k, v in c.to_json().items()
+                                                     if k in QualityComparisonReport.model_fields})
+                          for c in comparisons]  # fmt: skip
+    result.state, result.decided_by = gate_state(comparisons)
     failures = []
-    if result.ratio is not None and result.ratio < threshold:
-        failures.append(f"quality {result.ratio:.1%} of the standard's, below {threshold:.1%}")
+    if result.state == "fails":
+        failures.append(f"quality below {threshold:.1%} of the standard's: {result.decided_by}")
+    elif result.state is None and result.ratio is not None and result.ratio < threshold:
+        failures.append(f"quality {result.ratio:.1%} of the standard's, below {threshold:.1%} "
+                        f"(a point estimate on {len(common)} samples: too few for an interval)")  # fmt: skip
     if result.length_ratio is not None and abs(result.length_ratio - 1) > length_tolerance:
         failures.append(
             f"mean output length {result.length_ratio:.1%} of the standard's, outside ±{length_tolerance:.0%}"
@@ -379,6 +398,8 @@ def compare_to_standard(
     if result.ratio is None and result.length_ratio is None:
         result.reasons.append("no reference quality and no output length to compare")
         return result
-    result.gate = "FAIL" if failures else "PASS"
-    result.reasons = failures
+    result.gate = "FAIL" if failures else "UNDECIDED" if result.state == "undecided" else "PASS"
+    result.reasons = failures or (
+        [f"quality undecided: {result.decided_by}"] if result.state == "undecided" else []
+    )
     return result

@@ -1,0 +1,184 @@
+"""Quality against the standard with the care speed gets: per-sample pairs, intervals, and a margin.
+
+Every score is taken per sample on both sides (the first answer each variant gave to a sample; greedy
+decoding answers a repeated sample the same way) and compared as a paired interval (BCa, by
+``scipy.stats.bootstrap`` over the samples, ``significance._bootstrap``):
+
+* ``composite`` and ``task score``: the ratio of the variant's mean to the standard's (ratio of
+  sums, so a few long answers weigh what they are worth);
+* ``reference likelihood``: exp of the mean per-sample difference of the reference's log-probability
+  per token (variant minus standard): the ratio of per-token likelihoods, 1.0 when equal;
+* ``choice accuracy``: the variant's accuracy over the standard's on the samples scored by choices;
+* ``fidelity``: KL(standard || variant) on the samples' own positions, the one-sample interval of its
+  mean (``metrics/likelihood.py``).
+
+The profile's quality floor (``need_quality``, 90-99%) is a non-inferiority margin for a ratio:
+*meets* when the interval's lower end clears it, *fails* when its upper end lies below it, and
+*undecided* otherwise, with the samples likely needed to decide (the half-width shrinks as
+1/sqrt(n)). The gate reads, in order: fidelity first, a **tie** when the KL interval lies wholly
+below ``TIE_KL`` (the variant's distributions are the standard's for every purpose a generated
+text could show: a tie without waiting for generation noise); else the composite's state (what a
+user's answers are scored by); where the composite carries no information (no references, or the
+standard scores 0 on every sample), the reference likelihood's.
+The other scores are shown beside it as evidence, never overriding it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+import math
+from typing import Any
+
+import numpy as np
+
+from variantbench.metrics import significance as sig
+from variantbench.metrics.quality import label_of, rouge, token_f1
+
+TIE_KL = 0.01  # nats: below this on every sample's positions, a variant ties the standard on quality
+STATES = ("meets", "fails", "undecided", "tied")
+
+
+@dataclass
+class QualityComparison:
+    variant: str
+    standard: str
+    metric: str  # "composite" | "task score" | "reference likelihood" | "choice accuracy" | "fidelity"
+    value: float | None  # a ratio (1.0: equal), or the mean KL for fidelity
+    ci_low: float | None
+    ci_high: float | None
+    confidence: float
+    pairs: int
+    floor: float | None  # the margin a ratio must clear (fidelity: the tie level)
+    state: str | None  # one of STATES; None: shown as evidence, not decided on
+    more_samples: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def words(self) -> str:
+        ci = (f"{self.value:.3g} [{self.ci_low:.3g}, {self.ci_high:.3g}]" if self.value is not None
+              and self.ci_low is not None and self.ci_high is not None else "no interval")  # fmt: skip
+        tail = f"; about {self.more_samples} samples would decide it" if self.more_samples else ""
+        return f"{self.metric} {ci} on {self.pairs} samples ({self.state or 'shown'}){tail}"
+
+
+def _sentence_bleu(output: str, reference: str) -> float:
+    import sacrebleu
+
+    return float(sacrebleu.sentence_bleu(output, [reference]).score)
+
+
+def sample_scores(record: Any) -> dict[str, float]:
+    """One answer's per-sample scores: the composite (sentence BLEU/100 and ROUGE-L, halves) and the
+    task's own score (QA: token F1; classification: the first label word; else ROUGE-L)."""
+    r_l = rouge(record.output, record.reference)["rougeL"]
+    out = {"composite": 0.5 * _sentence_bleu(record.output, record.reference) / 100 + 0.5 * r_l}
+    if record.task == "qa":
+        out["task score"] = token_f1(record.output, (record.reference, *record.alternatives))
+    elif record.task == "classification":
+        out["task score"] = float(label_of(record.output) == record.reference.lower())
+    else:
+        out["task score"] = r_l
+    return out
+
+
+def first_answers(records: Sequence[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in records:
+        if r.status == "ok" and r.scored and r.reference:
+            out.setdefault(r.sample_id, r)
+    return out
+
+
+def ratio_state(low: float | None, high: float | None, floor: float) -> str:
+    if low is None or high is None:
+        return "undecided"
+    if low >= floor:
+        return "meets"
+    if high < floor:
+        return "fails"
+    return "undecided"
+
+
+def samples_to_decide(
+    n: int, value: float | None, low: float | None, high: float | None, floor: float
+) -> int | None:
+    """Samples likely needed for the interval to clear the floor on one side (log scale, 1/sqrt(n))."""
+    if value is None or low is None or high is None or n < 2 or low <= 0 or value <= 0:
+        return None
+    half = (math.log(high) - math.log(low)) / 2
+    gap = abs(math.log(value) - math.log(floor))
+    if gap < 1e-6:
+        return None  # on the margin itself: no number of samples is likely to settle it
+    return max(n + 1, math.ceil(n * (half / gap) ** 2))
+
+
+def _ratio(metric: str, a: Sequence[float], b: Sequence[float], floor: float, confidence: float,
+           names: tuple[str, str], seed: int, decides: bool) -> QualityComparison:  # fmt: skip
+    ones = [1.0] * len(a)
+    r = sig.paired_rate_ratio(a, ones, b, ones, seed=seed, confidence=confidence)
+    st = ratio_state(r["ci_low"], r["ci_high"], floor)
+    more = (
+        samples_to_decide(len(a), r["value"], r["ci_low"], r["ci_high"], floor) if st == "undecided" else None
+    )
+    return QualityComparison(names[0], names[1], metric, r["value"], r["ci_low"], r["ci_high"], confidence, len(a),
+                             floor, st if decides else None, more if decides else None)  # fmt: skip
+
+
+def compare(variant: str, records: Sequence[Any], likelihood: Any, standard: str, std_records: Sequence[Any],
+            std_likelihood: Any, *, floor: float, confidence: float = 0.95, tie_kl: float = TIE_KL,
+            seed: int = 0) -> list[QualityComparison]:  # fmt: skip
+    """Every paired quality comparison of ``variant`` with ``standard`` (records, and ``Likelihood``
+    reports or None), the deciding ones carrying a state against ``floor``."""
+    names = (variant, standard)
+    out: list[QualityComparison] = []
+    mine, theirs = first_answers(records), first_answers(std_records)
+    common = sorted(set(mine) & set(theirs))
+    scores_a = [sample_scores(mine[k]) for k in common]
+    scores_b = [sample_scores(theirs[k]) for k in common]
+    mine_lk = {s.sample_id: s for s in (likelihood.per_sample if likelihood else [])}
+    theirs_lk = {s.sample_id: s for s in (std_likelihood.per_sample if std_likelihood else [])}
+    kl = [s.kl for s in mine_lk.values() if s.kl is not None]
+    if kl:
+        lo, hi = sig.mean_interval(kl, seed, confidence=confidence)
+        tied = hi is not None and hi < tie_kl
+        out.append(QualityComparison(variant, standard, "fidelity", float(np.mean(kl)), lo, hi, confidence, len(kl),
+                                     tie_kl, "tied" if tied else None))  # fmt: skip
+    # a composite the standard scores 0 on every sample carries no information (a tiny model, or
+    # a task the model cannot do): shown, and the reference likelihood decides instead
+    has_refs = len(common) >= 3 and sum(s["composite"] for s in scores_b) > 0
+    if len(common) >= 3:
+        for i, metric in enumerate(("composite", "task score")):
+            out.append(_ratio(metric, [s[metric] for s in scores_a], [s[metric] for s in scores_b], floor,
+                              confidence, names, seed + i, decides=has_refs and metric == "composite"))  # fmt: skip
+    both = [k for k in mine_lk if k in theirs_lk and mine_lk[k].ref_logprob_per_token is not None
+            and theirs_lk[k].ref_logprob_per_token is not None]  # fmt: skip
+    if len(both) >= 3:
+        diff = [mine_lk[k].ref_logprob_per_token - theirs_lk[k].ref_logprob_per_token for k in both]
+        lo, hi = sig.mean_interval(diff, seed + 2, confidence=confidence)
+        value = math.exp(float(np.mean(diff)))
+        low, high = (math.exp(lo), math.exp(hi)) if lo is not None and hi is not None else (None, None)
+        decides = not has_refs
+        st = ratio_state(low, high, floor) if decides else None
+        more = samples_to_decide(len(both), value, low, high, floor) if st == "undecided" else None
+        out.append(QualityComparison(variant, standard, "reference likelihood", value, low, high, confidence,
+                                     len(both), floor, st, more))  # fmt: skip
+    choice = [
+        k for k in mine_lk if k in theirs_lk and mine_lk[k].acc is not None and theirs_lk[k].acc is not None
+    ]
+    if len(choice) >= 3:
+        out.append(_ratio("choice accuracy", [mine_lk[k].acc for k in choice], [theirs_lk[k].acc for k in choice],
+                          floor, confidence, names, seed + 3, decides=False))  # fmt: skip
+    return out
+
+
+def gate_state(comparisons: Sequence[QualityComparison]) -> tuple[str | None, str]:
+    """The quality gate's state and the comparison that decided it (see the module's order)."""
+    for c in comparisons:
+        if c.metric == "fidelity" and c.state == "tied":
+            return "tied", c.words()
+    for c in comparisons:
+        if c.state is not None and c.metric != "fidelity":
+            return c.state, c.words()
+    return None, "no paired quality score to decide on"

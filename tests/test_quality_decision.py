@@ -1,0 +1,153 @@
+"""Quality decided as speed is: paired intervals by sample, a margin, and an undecided state that
+reaches the recommendation; likelihood scores computed as a direct forward computes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from variantbench.analysis.profiles import Profile
+from variantbench.analysis.recommend import recommend
+from variantbench.metrics import quality_compare as qc
+from variantbench.records import QueryRecord
+from variantbench.report.schema import Resources
+from variantbench.report.summary import compare_to_standard, summarize_run
+
+WORDS = "the town lies on the river and is known for its stone bridge and a spring festival".split()
+
+
+def _rec(i: int, output: str, reference: str, variant: str = "v") -> QueryRecord:
+    n = max(1, len(output.split()))
+    return QueryRecord(run_id="r", variant=variant, scenario="offline", index=i, sample_id=f"s{i}", task="summarization",
+                       status="ok", error=None, scheduled_ns=0, issued_ns=0, first_token_ns=1_000_000,
+                       completed_ns=10_000_000, input_tokens=5, output_tokens=n, token_ms=[1.0] * n, output=output,
+                       reference=reference)  # fmt: skip
+
+
+def _answers(keep: list[int], n: int = 12) -> tuple[list[QueryRecord], list[QueryRecord]]:
+    """The standard answers every reference whole; the variant keeps ``keep[i]`` of its words."""
+    refs = [" ".join(WORDS[: 8 + i % 6]) for i in range(n)]
+    std = [_rec(i, refs[i], refs[i], "fp32") for i in range(n)]
+    var = [_rec(i, " ".join(refs[i].split()[: keep[i]]), refs[i], "int8") for i in range(n)]
+    return std, var
+
+
+def test_the_composites_interval_is_scipys_paired_bca_bootstrap_of_the_ratio_of_means() -> None:
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(4)
+    std, var = _answers([int(k) for k in rng.integers(4, 14, 12)])
+    (composite,) = [c for c in qc.compare("int8", var, None, "fp32", std, None, floor=0.95, seed=7)
+                    if c.metric == "composite"]  # fmt: skip
+    order = sorted(range(12), key=lambda i: f"s{i}")  # paired by sample id, in the ids' order
+    a = np.array([qc.sample_scores(var[i])["composite"] for i in order])
+    b = np.array([qc.sample_scores(std[i])["composite"] for i in order])
+    ones = np.ones_like(a)  # the ratio of sums as the speed comparisons take it: (sum a / n) / (sum b / n)
+    want = bootstrap((a, ones, b, ones), lambda x, u, y, w, axis=-1: (x.sum(axis) / u.sum(axis)) / (y.sum(axis) / w.sum(axis)),
+                     paired=True, method="BCa", n_resamples=10_000, confidence_level=0.95, vectorized=True,
+                     rng=np.random.default_rng(7))  # fmt: skip
+    assert composite.value == pytest.approx(a.sum() / b.sum())
+    assert composite.ci_low == pytest.approx(want.confidence_interval.low)
+    assert composite.ci_high == pytest.approx(want.confidence_interval.high)
+    assert composite.pairs == 12 and composite.state == qc.ratio_state(
+        composite.ci_low, composite.ci_high, 0.95
+    )
+
+
+def test_a_margin_gives_meets_fails_and_undecided_with_the_samples_that_would_decide() -> None:
+    assert qc.ratio_state(0.97, 1.04, 0.95) == "meets"
+    assert qc.ratio_state(0.60, 0.80, 0.95) == "fails"
+    assert qc.ratio_state(0.80, 1.10, 0.95) == "undecided"
+    # half-width 0.16 in log terms, 0.05 from the margin: (0.16/0.05)^2 x 12 samples
+    more = qc.samples_to_decide(12, 1.0, np.exp(-0.16), np.exp(0.16), np.exp(-0.05))
+    assert more == pytest.approx(12 * (0.16 / 0.05) ** 2, rel=0.01)
+
+
+def test_identical_answers_pass_truncated_ones_fail_and_noisy_ones_stay_undecided() -> None:
+    std, same = _answers([99] * 12)
+    _, cut = _answers([3] * 12)
+    # a quarter of the answers cut short, the rest whole: 0.88 [0.75, 0.96] of the standard on 12 samples
+    _, noisy = _answers([99, 99, 99, 99, 99, 6, 6, 6, 6, 99, 99, 99])
+    base = summarize_run("fp32", std, Resources(), scenario="offline")
+
+    def gate(recs: list[QueryRecord]):  # noqa: ANN202
+        run = summarize_run("int8", recs, Resources(), scenario="offline")
+        return run, compare_to_standard(run, recs, base, std, threshold=0.95, length_tolerance=5.0)
+
+    assert gate(same)[1].gate == "PASS" and gate(same)[1].state == "meets"
+    assert gate(cut)[1].gate == "FAIL" and gate(cut)[1].state == "fails"
+    run, vs = gate(noisy)
+    assert vs.state == "undecided" and vs.gate == "UNDECIDED", vs
+    composite = next(c for c in vs.comparisons if c.metric == "composite")
+    assert composite.ci_low < 0.95 < composite.ci_high and composite.more_samples > 12
+    # the recommendation names it, and never treats it as a pass or a fail
+    run.quality_vs_standard = vs
+    base.quality_vs_standard = compare_to_standard(base, std, base, std)
+    verdict = recommend([base, run], "fp32", Profile(name="q", quality_floor=0.95))
+    assert verdict["variant"] == "fp32" and verdict["undecided_quality"] == ["int8"]
+    assert (
+        "undecided on quality, so not recommended: int8 (quality undecided against the 95% floor"
+        in verdict["summary"]
+    )
+    assert "samples would decide it" in verdict["summary"]
+
+
+def test_a_fidelity_interval_below_the_tie_level_is_a_tie_whatever_the_text_says() -> None:
+    from variantbench.report.schema import Likelihood, SampleLikelihood
+
+    std, _ = _answers([99] * 12)
+    _, cut = _answers([3] * 12)
+    close = Likelihood(
+        per_sample=[SampleLikelihood(sample_id=f"s{i}", kl=0.002 + 0.0005 * (i % 3)) for i in range(12)]
+    )
+    state, why = qc.gate_state(qc.compare("int8", cut, close, "fp32", std, None, floor=0.95))
+    assert state == "tied" and "fidelity" in why
+    far = Likelihood(per_sample=[SampleLikelihood(sample_id=f"s{i}", kl=0.02 + 0.001 * i) for i in range(12)])
+    assert qc.gate_state(qc.compare("int8", cut, far, "fp32", std, None, floor=0.95))[0] == "fails"
+
+
+def test_the_top_k_kl_is_zero_against_itself_and_a_lower_bound_of_the_full_kl() -> None:
+    import torch
+
+    from variantbench.metrics.likelihood import kl_from_top_k, top_k
+
+    torch.manual_seed(0)
+    standard = torch.log_softmax(torch.randn(5, 1000) * 3, -1)
+    variant = torch.log_softmax(standard + torch.randn(5, 1000) * 0.3, -1)
+    kept = top_k(standard)
+    same, agree = kl_from_top_k(kept, standard)
+    assert max(same) < 1e-5 and agree == [1.0] * 5
+    approx, _ = kl_from_top_k(kept, variant)
+    full = (standard.exp() * (standard - variant)).sum(-1).tolist()
+    assert all(a <= f + 1e-6 for a, f in zip(approx, full, strict=True))
+    assert all(a > 0.5 * f for a, f in zip(approx, full, strict=True))  # most of the mass is in the top 256
+
+
+def test_choices_are_scored_by_their_log_probability_as_a_direct_forward_computes_it(tiny_model_dir) -> None:  # noqa: ANN001
+    import torch
+
+    from variantbench.backends.base import GenerationRequest
+    from variantbench.backends.torch_backend import TorchBackend
+    from variantbench.metrics.likelihood import score_sample
+    from variantbench.workloads.base import Sample
+
+    backend = TorchBackend(str(tiny_model_dir), "fp32")
+    backend.load()
+    try:
+        sample = Sample("c1", "classification", "Is this letter positive or negative? The bridge is lovely.",
+                        "positive", 4)  # fmt: skip
+        scores, positions = score_sample(backend, sample)
+        prompt = backend.encode(GenerationRequest("x", prompt=sample.prompt, max_new_tokens=1))
+        for choice in ("positive", "negative"):
+            ids = backend.tokenize(choice)
+            lp = backend.decoder.log_probs(prompt + ids)
+            direct = sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids))
+            assert scores["choice_logprobs"][choice] == pytest.approx(direct, abs=1e-4)
+        best = max(("positive", "negative"), key=lambda c: scores["choice_logprobs"][c])
+        assert scores["choice"] == best and scores["acc"] == float(best == "positive")
+        ref = backend.tokenize("positive")
+        assert scores["ref_tokens"] == len(ref) and positions.shape == (len(ref), lp.shape[-1])
+        assert scores["ref_logprob"] == pytest.approx(scores["choice_logprobs"]["positive"], abs=1e-4)
+        assert torch.isfinite(positions).all()
+    finally:
+        backend.close()
