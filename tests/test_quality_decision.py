@@ -136,8 +136,8 @@ def test_choices_are_scored_by_their_log_probability_as_a_direct_forward_compute
     try:
         sample = Sample("c1", "classification", "Is this letter positive or negative? The bridge is lovely.",
                         "positive", 4)  # fmt: skip
-        scores, positions = score_sample(backend, sample)
         prompt = backend.encode(GenerationRequest("x", prompt=sample.prompt, max_new_tokens=1))
+        scores, positions = score_sample(backend, sample, prompt)
         for choice in ("positive", "negative"):
             ids = backend.tokenize(choice)
             lp = backend.decoder.log_probs(prompt + ids)

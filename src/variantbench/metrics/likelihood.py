@@ -23,14 +23,12 @@ token ids; the others read it in their own processes (as ``fidelity.py`` does fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 import hashlib
 import math
 from pathlib import Path
 from typing import Any
-
-from variantbench.backends.base import GenerationRequest
 
 TOP_K = 256
 MAX_CONTINUATION = 64  # reference tokens scored per sample (the answer's start carries its content)
@@ -64,13 +62,11 @@ def _sum_logprob(lp: Any, ids: list[int], start: int) -> float:
     return float(sum(lp[start + i, t].item() for i, t in enumerate(ids)))
 
 
-def score_sample(backend: Any, sample: Any) -> tuple[dict[str, Any], Any]:
-    """One sample's likelihood scores and the log-probs [positions, vocab] at its scored positions."""
+def score_sample(backend: Any, sample: Any, prompt: list[int]) -> tuple[dict[str, Any], Any]:
+    """One sample's likelihood scores and the log-probs [positions, vocab] at its scored positions;
+    ``prompt``: the sample's token ids as the harness sends them (the caller encodes the request)."""
     import torch
 
-    request = GenerationRequest(request_id=sample.sample_id, prompt=None if sample.messages else sample.prompt,
-                                messages=sample.messages, max_new_tokens=1)  # fmt: skip
-    prompt = list(backend.encode(request))
     out: dict[str, Any] = {"sample_id": sample.sample_id, "task": sample.task}
     ref = _continuation(backend, sample.reference) if sample.reference else []
     lp = backend.token_log_probs(prompt + ref) if ref else backend.token_log_probs(prompt)
@@ -120,13 +116,14 @@ def kl_from_top_k(standard: dict[str, Any], positions: Any) -> tuple[list[float]
     return kl.clamp(min=0).tolist(), agree.tolist()
 
 
-def measure(backend: Any, samples: Sequence[Any], spec: LikelihoodSpec, is_standard: bool) -> dict[str, Any]:
+def measure(backend: Any, samples: Sequence[Any], spec: LikelihoodSpec, is_standard: bool,
+            prompt_of: Callable[[Any], list[int]]) -> dict[str, Any]:  # fmt: skip
     """Every sample's likelihood scores (and, beside the standard's kept distributions, its KL)."""
     import torch
 
     per_sample, parts = [], {}
     for sample in samples:
-        scores, positions = score_sample(backend, sample)
+        scores, positions = score_sample(backend, sample, prompt_of(sample))
         per_sample.append(scores)
         parts[sample.sample_id] = (positions, scores)
     key = "|".join(f"{s['sample_id']}:{s.get('ref_tokens', 0)}" for s in per_sample)

@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from variantbench.backends.base import LogProbs, ReportsStatus, ScoresLikelihood
+from variantbench.backends.base import GenerationRequest, LogProbs, ReportsStatus, ScoresLikelihood
 from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
 from variantbench.report.schema import Resources
@@ -43,6 +43,12 @@ def measure_variant(job: MeasureJob, emit: Emit) -> dict[str, Any]:
         session.close()
         raise
     return {**session.finish(emit), "records": records}
+
+
+def prompt_request(sample: Any) -> GenerationRequest:
+    """A sample as the harness sends it (its chat messages, else its prompt), for one token."""
+    return GenerationRequest(request_id=sample.sample_id, prompt=None if sample.messages else sample.prompt,
+                             messages=sample.messages, max_new_tokens=1)  # fmt: skip
 
 
 class VariantSession:
@@ -165,7 +171,8 @@ class VariantSession:
 
                 emit(("status", "likelihood scores on the workload's samples"))
                 start = time.perf_counter()
-                likelihood = lk.measure(backend, job.workload.samples, job.likelihood, job.is_standard)
+                likelihood = lk.measure(backend, job.workload.samples, job.likelihood, job.is_standard,
+                                        prompt_of=lambda s: list(backend.encode(prompt_request(s))))  # fmt: skip
                 self.phases["likelihood"] = time.perf_counter() - start
             diagnosis = None
             if job.diagnose and job.endpoint is None:
