@@ -58,6 +58,7 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
         report.runs.append(run)
     report.comparisons = [c.to_json() for c in comparisons(report, plan, measured)]
     finalize(report, plan)
+    report.uninformative_tasks = uninformative_tasks(report, measured)
     return report
 
 
@@ -112,6 +113,7 @@ def summarize_payload(
         run.likelihood = Likelihood(
             **lk["summary"], per_sample=[SampleLikelihood(**s) for s in lk["samples"]]
         )
+        _accuracy_by_likelihood(run)
     if payload.get("build"):
         run.backend["build"] = payload["build"]
     if payload.get("phases_s"):
@@ -306,6 +308,42 @@ def combine_repeats(repeats: list[RunReport], standard_repeats: list[RunReport])
             "throughput_ratio": across_runs(tput),
         }
     return main
+
+
+def _accuracy_by_likelihood(run: RunReport) -> None:
+    """Classification scored as lm-evaluation-harness scores it: the label the model finds most
+    likely after the prompt, not the first label word it happens to generate (the default model
+    opens every answer with "The writer's opinion...": 0.000 for every variant in 4 tokens)."""
+    lk = run.likelihood
+    if lk is None or lk.choice_accuracy is None:
+        return
+    task = run.per_task.get("classification")
+    for quality in [run.quality] + ([task.quality] if task is not None else []):
+        quality.accuracy_generated = quality.accuracy
+        quality.accuracy = lk.choice_accuracy
+        quality.accuracy_by = "label likelihood"
+
+
+def uninformative_tasks(report: Report, measured: dict[str, list[QueryRecord]]) -> dict[str, str]:
+    """Tasks on which every measured variant scored every sample the same (all 0, or all 1): their
+    scores cannot tell variants apart, and the report says so."""
+    from variantbench.metrics.quality_compare import first_answers, sample_scores
+
+    values: dict[str, set[float]] = {}
+    for run in report.runs:
+        if run.status != "ok" or run.variant not in measured:
+            continue
+        by_lk = {
+            s.sample_id: s.acc
+            for s in (run.likelihood.per_sample if run.likelihood else [])
+            if s.acc is not None
+        }
+        for sid, record in first_answers(measured[run.variant]).items():
+            lk = by_lk.get(sid) if record.task == "classification" else None
+            score = lk if lk is not None else sample_scores(record)["task score"]
+            values.setdefault(record.task, set()).add(round(float(score), 9))
+    return {task: f"every variant scored {next(iter(v)):.3g} on every sample" for task, v in sorted(values.items())
+            if len(v) == 1}  # fmt: skip
 
 
 def finalize(report: Report, plan: Plan) -> None:

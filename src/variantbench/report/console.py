@@ -142,7 +142,7 @@ def task_table(report: Report, timed: bool = True) -> Table:
     """
     table = Table(
         title="per task",
-        caption="score: QA token F1, classification accuracy, else ROUGE-L; tok/s = output tokens / "
+        caption="score: QA token F1, classification accuracy (by label likelihood where measured), else ROUGE-L; tok/s = output tokens / "
         "the time of that task's queries.",
     )
     timing = ("p50 ms", "p99 ms", "TTFT p50\nms", "out tok/s") if timed else ()

@@ -105,9 +105,13 @@ def _quality_gates(report: Report) -> list[str]:
             if c.more_samples:
                 state += f": about {c.more_samples} samples would decide it"
             rows.append([r.variant, c.metric, ci, str(c.pairs), floor, state])
-    if not rows:
+    flags = [
+        f"- {task}: {why}: its scores carry no information"
+        for task, why in report.uninformative_tasks.items()
+    ]
+    if not rows and not flags:
         return []
-    lines = ["## Quality against the standard (paired by sample)", "",
+    lines = ["## Quality against the standard (paired by sample)", "", *flags, *([""] if flags else []),
              "Each score on the samples both answered; BCa 95% intervals. A ratio's gate: *meets* when the "
              "interval clears the floor, *fails* below it, *undecided* across it; fidelity (KL on the samples' "
              "own positions) below its tie level decides a tie first.", ""]  # fmt: skip

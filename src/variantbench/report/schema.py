@@ -52,7 +52,11 @@ class Quality(_Model):
     rougeL: float | None = None  # noqa: N815 - the metric's own name
     exact_match: float | None = None  # QA, SQuAD normalization, 0-1
     f1: float | None = None  # QA token F1, 0-1
-    accuracy: float | None = None  # classification, 0-1
+    accuracy: float | None = None  # classification, 0-1 (by ``accuracy_by``)
+    # "label likelihood": the most likely label given the prompt (lm-eval's way, where measured);
+    # "generated label": the first label word of the generated answer
+    accuracy_by: str | None = None
+    accuracy_generated: float | None = None  # the generated label's accuracy, kept beside
     composite: float | None = None  # 0.5 * BLEU/100 + 0.5 * ROUGE-L, 0-1
     perplexity: float | None = None  # of the held-out fidelity text
     kl_mean: float | None = None  # KL(standard || variant) per scored token, nats
@@ -346,6 +350,8 @@ class Report(_Model):
     execution: dict[str, Any] = Field(default_factory=dict)
     # every pair of variants on paired throughput: faster, slower, tied or undecided, with intervals
     comparisons: list[dict[str, Any]] = Field(default_factory=list)
+    # tasks whose scores carry no information: every variant scored every sample the same
+    uninformative_tasks: dict[str, str] = Field(default_factory=dict)
 
     def run(self, variant: str) -> RunReport | None:
         return next((r for r in self.runs if r.variant == variant), None)
