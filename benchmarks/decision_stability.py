@@ -10,9 +10,15 @@ run's own target is 5), and, across the runs:
   majority (target: at least 4 of 5 for every profile; a tie is an answer too, and the variant
   the tie-break picks is the recommendation);
 * per pair of variants: the state of each comparison (faster, slower, tied, undecided) and its
-  agreement with the majority; per variant: the A/B verdict against the standard.
+  agreement with the majority; per variant: the A/B verdict against the standard;
+* the quality half: per variant, the state of its quality gate (meets, fails, undecided or tied, from
+  the paired intervals of ``metrics/quality_compare.py``) in each run and its agreement (target: at
+  least 4 of 5); a seeded simulation of two identical variants whose answers differ by noise,
+  never called worse on quality (target: 20 of 20); and whether a planted drop (plain ``int8``,
+  KL about 0.9 on the default model) is called worse (``fails``) within the default budget.
 
-Exits non-zero when a profile misses the agreement target or a run fails.
+Exits non-zero when a profile or a quality gate misses the agreement target, the simulation calls
+an identical variant worse, or a run fails.
 """
 
 from __future__ import annotations
@@ -33,6 +39,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def _majority(answers: list[str]) -> tuple[str, int]:
     value, count = Counter(answers).most_common(1)[0]
     return value, count
+
+
+def identical_variants_called_worse(draws: int = 20, samples: int = 8, floor: float = 0.99) -> int:
+    """Two variants with the same quality whose answers score differently by chance: each sample's
+    true quality drawn from Beta(2, 5), each side's observed score that plus N(0, 0.1), clipped to
+    [0, 1]; the gate (paired BCa interval of the ratio of means against the strictest floor, the
+    cloud profile's 99%) must never say ``fails``."""
+    import numpy as np
+
+    from variantbench.metrics import significance as sig
+    from variantbench.metrics.quality_compare import ratio_state
+
+    worse = 0
+    for seed in range(draws):
+        rng = np.random.default_rng(seed)
+        truth = rng.beta(2, 5, samples)
+        a = np.clip(truth + rng.normal(0, 0.1, samples), 0, 1)
+        b = np.clip(truth + rng.normal(0, 0.1, samples), 0, 1)
+        ones = [1.0] * samples
+        r = sig.paired_rate_ratio(a, ones, b, ones, seed=seed)
+        worse += ratio_state(r["ci_low"], r["ci_high"], floor) == "fails"
+    return worse
 
 
 def main() -> int:
@@ -99,6 +127,23 @@ def main() -> int:
                     for r in reports]  # fmt: skip
         value, count = _majority(verdicts)
         print(f"  {run['variant']}: {count}/{args.runs} agree on {value!r}")
+    print("\nquality gates against the standard (state of each variant's gate in each run)")
+    for run in reports[0]["runs"]:
+        if run["variant"] == reports[0]["standard"]:
+            continue
+        states = [next(((x.get("quality_vs_standard") or {}).get("state") or "none" for x in r["runs"]
+                        if x["variant"] == run["variant"]), "missing") for r in reports]  # fmt: skip
+        value, count = _majority(states)
+        ok &= count >= need
+        print(f"  {run['variant']}: {count}/{args.runs} agree on {value}; {' '.join(states)}")
+        if run["variant"] == "int8":
+            print(f"  planted drop (int8) called worse (fails) in {states.count('fails')}/{args.runs} runs")
+    false_calls = identical_variants_called_worse()
+    ok &= false_calls == 0
+    print(
+        f"  two identical variants (seeded simulation, 20 draws of 8 samples): called worse {false_calls}/20, "
+        f"not worse {20 - false_calls}/20"
+    )
     slowest = max(walls)
     print(f"\nwall per run: min {min(walls):.0f} s, max {slowest:.0f} s (budget 600 s: {slowest / 600:.2f})")
     print(
