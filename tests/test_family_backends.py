@@ -15,25 +15,20 @@ from typer.testing import CliRunner
 
 from variantbench.backends.base import GenerationRequest
 from variantbench.errors import UserError
-from variantbench.models.tiny import build_tiny, tiny_tokenizer
+from variantbench.models.tiny import build_tiny, tiny_model, tiny_tokenizer
 from variantbench.variants.spec import VariantSpec
 from variantbench.variants.support import check_support, kinds_for
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
     folder = tmp_path_factory.mktemp("gpt2")
     tok = tiny_tokenizer()
-    torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0)  # fmt: skip
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
+    model = tiny_model(config)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
