@@ -1,4 +1,9 @@
-"""A lean greedy decoder for Llama-architecture models over a static KV cache.
+"""A lean greedy decoder over a static KV cache, for every registered model family.
+
+The block it runs is read from the model's family (``variantbench.families``: Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, Granite, Qwen2-MoE, Mixtral), each proven against transformers'
+forward by ``tests/test_families.py``; the layout choices below were made on Llama-shaped blocks
+and hold for all of them.
 
 Why our own loop instead of ``model.generate``: on CPU, decode at batch 1 is bound by reading the
 weights once per token. PyTorch's ``F.linear`` computes ``x @ W.T`` against the row-major
