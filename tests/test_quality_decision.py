@@ -151,3 +151,99 @@ def test_choices_are_scored_by_their_log_probability_as_a_direct_forward_compute
         assert torch.isfinite(positions).all()
     finally:
         backend.close()
+
+
+LM_EVAL_TASK = """task: vb_sentiment
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Letter: {{{{text}}}}\\nIs the writer's opinion positive or negative? Answer:"
+doc_to_choice: [positive, negative]
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+LETTERS = [("The bridge repairs were finished early and the park is lovely.", 0),
+           ("The council ignored every letter and the roads are worse than ever.", 1),
+           ("What a wonderful festival, the whole town enjoyed it.", 0),
+           ("The new bus schedule is a disaster and nobody was asked.", 1),
+           ("Thank you to the library staff for their kind help.", 0)]  # fmt: skip
+
+
+def _task_folder(tmp_path):  # noqa: ANN001, ANN202
+    import json
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "letters.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in LETTERS))
+    (tmp_path / "vb_sentiment.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    return tmp_path
+
+
+def test_an_lm_eval_custom_task_over_a_local_jsonl_is_scored_as_the_model_scores_its_choices(
+    tiny_model_dir, tmp_path, monkeypatch
+) -> None:  # noqa: ANN001
+    """lm-eval's own harness, through ``metrics/lm_eval.py`` on the tiny model: each document's acc is
+    1 exactly when our decoder finds the target choice the more likely continuation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from variantbench.backends.engine import Decoder
+    from variantbench.metrics.lm_eval import LmEvalSpec, evaluate
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = _task_folder(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = evaluate(model, tok, LmEvalSpec(tasks=("vb_sentiment",), include_path=str(folder)))
+    docs = {d["doc_id"]: d["acc"] for d in out["docs"]["vb_sentiment"]}
+    assert len(docs) == len(LETTERS) and out["tasks"]["vb_sentiment"]["acc"] == pytest.approx(
+        np.mean(list(docs.values()))
+    )
+    assert out["tasks"]["vb_sentiment"]["acc_stderr"] is not None
+    dec = Decoder(model)
+    for i, (text, label) in enumerate(LETTERS):
+        context = tok(f"Letter: {text}\nIs the writer's opinion positive or negative? Answer:")["input_ids"]
+        scores = []
+        for choice in (" positive", " negative"):  # lm-eval's target_delimiter " " before each choice
+            whole = tok(f"Letter: {text}\nIs the writer's opinion positive or negative? Answer:{choice}")[
+                "input_ids"
+            ]
+            cont = whole[len(context) :]
+            lp = dec.log_probs(whole)
+            scores.append(sum(lp[len(context) - 1 + j, t].item() for j, t in enumerate(cont)))
+        assert docs[i] == float(int(np.argmax(scores)) == label), (i, scores)
+
+
+def test_a_run_puts_lm_evals_scores_beside_ours_and_pairs_them_by_document(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = _task_folder(tmp_path / "tasks")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        f"model: {{source: {tiny_model_dir}}}\nvariants: [fp32, int8]\nload: {{tasks: 3}}\n"
+        "analysis: {cold_start: false, diagnose: false, until_decided: false, batch_rounds: 0}\n"
+        f"quality: {{lm_eval: {{tasks: [vb_sentiment], include_path: {folder}}}}}\nout: {tmp_path / 'out'}\n"
+    )
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "variantbench", "run", str(plan)], capture_output=True, text=True,
+                          timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    runs = {r["variant"]: r for r in report["runs"]}
+    for run in runs.values():
+        task = run["lm_eval"]["tasks"]["vb_sentiment"]
+        assert 0 <= task["acc"] <= 1 and task["acc_stderr"] is not None
+        assert len(run["lm_eval"]["docs"]["vb_sentiment"]) == len(LETTERS)
+    metrics = {c["metric"] for c in runs["int8"]["quality_vs_standard"]["comparisons"]}
+    assert "lm-eval vb_sentiment acc" in metrics and "fidelity" in metrics
+    assert "## lm-evaluation-harness" in (tmp_path / "out" / "report.md").read_text()

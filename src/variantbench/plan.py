@@ -208,6 +208,19 @@ class SeedsPlan(_Section):
     schedule: int = Field(0, description="seed of the arrival schedule")
 
 
+class LmEvalPlan(_Section):
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks: hub tasks (hellaswag, arc_easy, gsm8k) where the dataset hub "
+        "is reachable, or tasks defined in include_path",
+    )
+    limit: PositiveInt | None = Field(None, description="documents per task (default: all)")
+    include_path: Path | None = Field(
+        None, description="a folder of lm-eval task YAML files (custom tasks, e.g. over a local JSONL file)"
+    )
+    num_fewshot: int | None = Field(None, ge=0, description="few-shot examples (default: the task's own)")
+
+
 class QualityPlan(_Section):
     threshold: float = Field(99.0, gt=0, le=100, description="gate: quality at least this % of the standard's (99 or 99.9)")  # fmt: skip
     length_tolerance: float = Field(10.0, ge=0, le=100, description="gate: mean output length within this ±% of the standard's")  # fmt: skip
@@ -217,6 +230,10 @@ class QualityPlan(_Section):
         True, description="logit fidelity: perplexity, KL and top-1 agreement vs the standard"
     )
     fidelity_text: Path | None = Field(None, description="held-out text for logit fidelity (default: pydoc_data.topics)")  # fmt: skip
+    lm_eval: LmEvalPlan | None = Field(
+        None,
+        description="standard evaluation tasks through lm-evaluation-harness beside ours (local variants)",
+    )
     likelihood: bool = Field(
         True,
         description="likelihood scores on the workload's samples: the reference's log-likelihood, choices by "

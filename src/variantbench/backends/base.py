@@ -115,6 +115,14 @@ class ScoresLikelihood(Protocol):
 
 
 @runtime_checkable
+class EvaluationModel(Protocol):
+    """A transformers model of the variant as built (its load-time recipes applied) and its tokenizer,
+    for lm-evaluation-harness's ``hf`` model (``metrics/lm_eval.py``)."""
+
+    def evaluation_model(self) -> tuple[Any, Any]: ...
+
+
+@runtime_checkable
 class Profilable(Protocol):
     """Our own decoder, whose labelled regions the diagnosis profiles by operator family."""
 

@@ -110,6 +110,26 @@ class TorchBackend:
         return model, parameters, caveats, t0
 
     @on_compute
+    def evaluation_model(self) -> tuple[Any, Any]:
+        """The variant as a transformers model again (our decoder took its weights over): loaded from
+        the variant's folder, what a build added put back, its load-time recipes applied."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from variantbench.variants import apply_recipes
+        from variantbench.variants.base import restore_built
+
+        if self.artifact is None or self._tokenizer is None:
+            raise RuntimeError("evaluation_model() before load()")
+        source = self.artifact.source_dir
+        model = restore_built(
+            AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), source
+        ).eval()
+        if self.device != "cpu":
+            model = model.to(self.device)
+        return apply_recipes(model, self.spec.load_chain), self._tokenizer
+
+    @on_compute
     def load(self) -> LoadInfo:
         import torch
 

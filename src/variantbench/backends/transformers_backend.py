@@ -120,6 +120,11 @@ class TransformersBackend(TorchBackend):
     def compact_weights(self) -> int:
         return 0
 
+    def evaluation_model(self) -> tuple[Any, Any]:
+        if self.model is None:
+            raise RuntimeError("evaluation_model() before load()")
+        return self._model, self._tokenizer
+
     @on_compute
     def close(self) -> None:
         self._model = None

@@ -128,7 +128,7 @@ def _ratio(metric: str, a: Sequence[float], b: Sequence[float], floor: float, co
 
 def compare(variant: str, records: Sequence[Any], likelihood: Any, standard: str, std_records: Sequence[Any],
             std_likelihood: Any, *, floor: float, confidence: float = 0.95, tie_kl: float = TIE_KL,
-            seed: int = 0) -> list[QualityComparison]:  # fmt: skip
+            seed: int = 0, lm_eval: Any = None, standard_lm_eval: Any = None) -> list[QualityComparison]:  # fmt: skip
     """Every paired quality comparison of ``variant`` with ``standard`` (records, and ``Likelihood``
     reports or None), the deciding ones carrying a state against ``floor``."""
     names = (variant, standard)
@@ -170,6 +170,25 @@ def compare(variant: str, records: Sequence[Any], likelihood: Any, standard: str
     if len(choice) >= 3:
         out.append(_ratio("choice accuracy", [mine_lk[k].acc for k in choice], [theirs_lk[k].acc for k in choice],
                           floor, confidence, names, seed + 3, decides=False))  # fmt: skip
+    out.extend(_lm_eval_pairs(names, lm_eval, standard_lm_eval, floor, confidence, seed + 4))
+    return out
+
+
+def _lm_eval_pairs(names: tuple[str, str], mine: Any, theirs: Any, floor: float, confidence: float,
+                   seed: int) -> list[QualityComparison]:  # fmt: skip
+    """lm-eval's tasks paired by document (its first per-document metric: acc, acc_norm, ...): shown
+    beside ours as evidence, never deciding the gate."""
+    from variantbench.metrics.lm_eval import PER_DOC_METRICS
+
+    out = []
+    for task, docs in sorted((mine.docs if mine else {}).items()):
+        other = {d["doc_id"]: d for d in (theirs.docs.get(task, []) if theirs else [])}
+        metric = next((m for m in PER_DOC_METRICS if docs and m in docs[0]), None)
+        pairs = [(d[metric], other[d["doc_id"]][metric]) for d in docs
+                 if metric and d["doc_id"] in other and metric in other[d["doc_id"]]]  # fmt: skip
+        if len(pairs) >= 3:
+            out.append(_ratio(f"lm-eval {task} {metric}", [a for a, _ in pairs], [b for _, b in pairs], floor,
+                              confidence, names, seed, decides=False))  # fmt: skip
     return out
 
 

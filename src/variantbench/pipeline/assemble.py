@@ -92,7 +92,7 @@ def summarize_payload(
     """One variant's run from its raw results and its query records: summary, resources, cost, A/B."""
     from variantbench.analysis.cost import derive
     from variantbench.metrics.windows import windows as make_windows
-    from variantbench.report.schema import Cost, Diagnosis, Likelihood, SampleLikelihood
+    from variantbench.report.schema import Cost, Diagnosis, Likelihood, LmEvalReport, SampleLikelihood
     from variantbench.trackers.resources import sample_from_row, window_resources
 
     fidelity = payload.get("fidelity") or {}
@@ -114,6 +114,8 @@ def summarize_payload(
             **lk["summary"], per_sample=[SampleLikelihood(**s) for s in lk["samples"]]
         )
         _accuracy_by_likelihood(run)
+    if payload.get("lm_eval"):
+        run.lm_eval = LmEvalReport(**payload["lm_eval"])
     if payload.get("build"):
         run.backend["build"] = payload["build"]
     if payload.get("phases_s"):
@@ -159,6 +161,7 @@ def summarize_payload(
                 run, records, std_run, std_records,
                 threshold=plan.quality.threshold / 100, length_tolerance=plan.quality.length_tolerance / 100,
                 likelihood=run.likelihood, standard_likelihood=std_run.likelihood,
+                lm_eval=run.lm_eval, standard_lm_eval=std_run.lm_eval,
             )  # fmt: skip
             run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
     histograms = (payload.get("server_metrics") or {}).get("latency_histograms")

@@ -81,9 +81,9 @@ class MeasureJob:
     find_peak: bool = False
     criteria: Criteria = field(default_factory=Criteria)
     fidelity: Any = None  # metrics.fidelity.FidelitySpec, or None to skip logit fidelity
-    likelihood: Any = (
-        None  # metrics.likelihood.LikelihoodSpec, or None to skip the samples' likelihood scores
-    )
+    # metrics.likelihood.LikelihoodSpec, or None to skip the samples' likelihood scores
+    likelihood: Any = None
+    lm_eval: Any = None  # metrics.lm_eval.LmEvalSpec, or None: no lm-evaluation-harness tasks
     is_standard: bool = False
     watts_per_core: float = 10.0
     diagnose: bool = False

@@ -13,7 +13,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from variantbench.backends.base import GenerationRequest, LogProbs, ReportsStatus, ScoresLikelihood
+from variantbench.backends.base import (
+    EvaluationModel,
+    GenerationRequest,
+    LogProbs,
+    ReportsStatus,
+    ScoresLikelihood,
+)
 from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
 from variantbench.report.schema import Resources
@@ -174,6 +180,16 @@ class VariantSession:
                 likelihood = lk.measure(backend, job.workload.samples, job.likelihood, job.is_standard,
                                         prompt_of=lambda s: list(backend.encode(prompt_request(s))))  # fmt: skip
                 self.phases["likelihood"] = time.perf_counter() - start
+            lm_eval = None
+            if job.lm_eval is not None and isinstance(backend, EvaluationModel):
+                from variantbench.metrics.lm_eval import evaluate
+
+                emit(("status", f"lm-evaluation-harness: {', '.join(job.lm_eval.tasks)}"))
+                start = time.perf_counter()
+                model, tokenizer = backend.evaluation_model()
+                lm_eval = evaluate(model, tokenizer, job.lm_eval, device=job.device)
+                del model
+                self.phases["lm_eval"] = time.perf_counter() - start
             diagnosis = None
             if job.diagnose and job.endpoint is None:
                 from variantbench.analysis.diagnosis import diagnose_backend
@@ -193,7 +209,7 @@ class VariantSession:
                 self.phases["diagnosis"] = time.perf_counter() - start
         finally:
             self.close()
-        return {**self._payload(fidelity, diagnosis), "likelihood": likelihood}
+        return {**self._payload(fidelity, diagnosis), "likelihood": likelihood, "lm_eval": lm_eval}
 
     def interim(self, emit: Emit) -> dict[str, Any]:
         """The raw payload of the blocks so far, the variant kept loaded (no fidelity, no diagnosis):

@@ -250,6 +250,13 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         from variantbench.metrics.likelihood import LikelihoodSpec
 
         likelihood = LikelihoodSpec(cache_dir=str(cache_root() / "likelihood"), model_key=base_dir)
+    lm_eval = None
+    if plan.quality.lm_eval is not None and plan.quality.lm_eval.tasks and not endpoints:
+        from variantbench.metrics.lm_eval import LmEvalSpec
+
+        le = plan.quality.lm_eval
+        lm_eval = LmEvalSpec(tasks=tuple(le.tasks), limit=le.limit, num_fewshot=le.num_fewshot,
+                             include_path=str(le.include_path) if le.include_path else None)  # fmt: skip
     analyze = not endpoints and plan.is_timed  # an untimed pass has no speed to explain; a server no weights
     counters = ""
     if plan.analysis.diagnose and analyze:
@@ -282,7 +289,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         header.execution["nodes"] = nodes
     return RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
                        log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
-                       fidelity=fidelity, likelihood=likelihood, analyze=analyze, counters=counters, find_peak=find_peak,
+                       fidelity=fidelity, likelihood=likelihood, lm_eval=lm_eval, analyze=analyze, counters=counters, find_peak=find_peak,
                        interleave=interleave, at_once=at_once, raws=kept_raws, records=kept_records)  # fmt: skip
 
 
@@ -319,6 +326,7 @@ class RunContext:
     endpoints: dict[str, Endpoint]  # served variants by name ({} for local ones)
     fidelity: Any
     likelihood: Any
+    lm_eval: Any
     analyze: bool
     counters: str
     find_peak: bool
@@ -335,7 +343,7 @@ class RunContext:
             load=load_settings(plan, rid, len(self.library)), spec=self.specs.get(variant), artifact=artifact,
             base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoints.get(variant),
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
-            likelihood=self.likelihood if repeat == 0 else None,
+            likelihood=self.likelihood if repeat == 0 else None, lm_eval=self.lm_eval if repeat == 0 else None,
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
             diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
             batch_rounds=plan.analysis.batch_rounds if self.analyze else 0, scrape_s=plan.execution.scrape_s,

@@ -118,6 +118,22 @@ def _quality_gates(report: Report) -> list[str]:
     return lines + _table(["variant", "score", "value [95% CI]", "samples", "floor", "state"], rows) + [""]
 
 
+def _lm_eval(report: Report) -> list[str]:
+    """lm-evaluation-harness's task scores with their standard errors, per variant."""
+    rows = []
+    for r in report.runs:
+        for task, metrics in sorted((r.lm_eval.tasks if r.lm_eval else {}).items()):
+            shown = [f"{m} {v:.3f} ± {metrics.get(m + '_stderr') or 0:.3f}" for m, v in metrics.items()
+                     if not m.endswith("_stderr") and v is not None]  # fmt: skip
+            rows.append([r.variant, task, "; ".join(shown)])
+    if not rows:
+        return []
+    version = next((r.lm_eval.version for r in report.runs if r.lm_eval), None)
+    return [f"## lm-evaluation-harness ({version})", "", "Each metric ± its standard error, as lm-eval reports "
+            "it; paired with the standard's by document in the quality table above.", "",
+            *_table(["variant", "task", "scores"], rows), ""]  # fmt: skip
+
+
 def _ab(report: Report) -> list[str]:
     rows = []
     for r in report.runs:
@@ -463,6 +479,7 @@ def render(report: Report) -> str:
         *_comparison(report),
         "",
         *_quality_gates(report),
+        *_lm_eval(report),
         *_percentiles(report),
         *_server_latency(report),
         *_ab(report),

@@ -126,6 +126,15 @@ class Likelihood(_Model):
     per_sample: list[SampleLikelihood] = Field(default_factory=list)
 
 
+class LmEvalReport(_Model):
+    """lm-evaluation-harness's scores of a variant (``metrics/lm_eval.py``): per task its metrics and
+    their standard errors (``acc``, ``acc_stderr``, ...), and each document's scores for pairing."""
+
+    version: str | None = None
+    tasks: dict[str, dict[str, float | None]] = Field(default_factory=dict)
+    docs: dict[str, list[dict[str, float]]] = Field(default_factory=dict)
+
+
 class TaskReport(_Model):
     """One task type of a mixed workload: its latency, its per-query decode rate, its quality."""
 
@@ -321,6 +330,7 @@ class RunReport(_Model):
     quality: Quality = Field(default_factory=Quality)
     quality_vs_standard: QualityVsStandard | None = None
     likelihood: Likelihood | None = None  # None: not measured (served variants, or quality.likelihood off)
+    lm_eval: LmEvalReport | None = None  # quality.lm_eval's tasks, where asked for
     per_task: dict[str, TaskReport] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
     cost: Cost | None = None

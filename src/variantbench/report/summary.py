@@ -338,6 +338,8 @@ def compare_to_standard(
     length_tolerance: float = 0.10,
     likelihood: Any = None,
     standard_likelihood: Any = None,
+    lm_eval: Any = None,
+    standard_lm_eval: Any = None,
 ) -> QualityVsStandard:
     """MLPerf-style gates: quality >= threshold x the standard's, mean output length within tolerance.
 
@@ -378,7 +380,8 @@ def compare_to_standard(
     if base and q is not None:
         result.ratio = q / base
     comparisons = compare(run.variant, records, likelihood, standard.variant, standard_records,
-                          standard_likelihood, floor=threshold)  # fmt: skip
+                          standard_likelihood, floor=threshold, lm_eval=lm_eval,
+                          standard_lm_eval=standard_lm_eval)  # fmt: skip
     result.comparisons = [QualityComparisonReport(**{k: v for k, v in c.to_json().items()
                                                      if k in QualityComparisonReport.model_fields})
                           for c in comparisons]  # fmt: skip
