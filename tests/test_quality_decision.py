@@ -32,7 +32,7 @@ def _answers(keep: list[int], n: int = 12) -> tuple[list[QueryRecord], list[Quer
     return std, var
 
 
-def test_the_composites_interval_is_scipys_paired_bca_bootstrap_of_the_ratio_of_means() -> None:
+def test_the_composites_interval_is_scipys_bca_bootstrap_of_the_paired_differences() -> None:
     from scipy.stats import bootstrap
 
     rng = np.random.default_rng(4)
@@ -42,16 +42,22 @@ def test_the_composites_interval_is_scipys_paired_bca_bootstrap_of_the_ratio_of_
     order = sorted(range(12), key=lambda i: f"s{i}")  # paired by sample id, in the ids' order
     a = np.array([qc.sample_scores(var[i])["composite"] for i in order])
     b = np.array([qc.sample_scores(std[i])["composite"] for i in order])
-    ones = np.ones_like(a)  # the ratio of sums as the speed comparisons take it: (sum a / n) / (sum b / n)
-    want = bootstrap((a, ones, b, ones), lambda x, u, y, w, axis=-1: (x.sum(axis) / u.sum(axis)) / (y.sum(axis) / w.sum(axis)),
-                     paired=True, method="BCa", n_resamples=10_000, confidence_level=0.95, vectorized=True,
+    want = bootstrap((a - b,), np.mean, method="BCa", n_resamples=10_000, confidence_level=0.95,
                      rng=np.random.default_rng(7))  # fmt: skip
-    assert composite.value == pytest.approx(a.sum() / b.sum())
-    assert composite.ci_low == pytest.approx(want.confidence_interval.low)
-    assert composite.ci_high == pytest.approx(want.confidence_interval.high)
+    assert composite.value == pytest.approx(a.mean() / b.mean())
+    assert composite.ci_low == pytest.approx(1 + want.confidence_interval.low / b.mean())
+    assert composite.ci_high == pytest.approx(1 + want.confidence_interval.high / b.mean())
     assert composite.pairs == 12 and composite.state == qc.ratio_state(
         composite.ci_low, composite.ci_high, 0.95
     )
+
+
+def test_a_standard_that_scores_0_on_most_samples_still_gets_an_interval() -> None:
+    """The default model's composites are 0 on most samples: a ratio's own resamples divided by zero."""
+    a = [0.0, 0.0, 0.0, 0.2, 0.0, 0.0, 0.1, 0.0]
+    b = [0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0]
+    value, low, high = qc.paired_mean_ratio(a, b)
+    assert value == pytest.approx(1.0) and low is not None and low < 1 < high
 
 
 def test_a_margin_gives_meets_fails_and_undecided_with_the_samples_that_would_decide() -> None:
@@ -138,16 +144,19 @@ def test_choices_are_scored_by_their_log_probability_as_a_direct_forward_compute
                         "positive", 4)  # fmt: skip
         prompt = backend.encode(GenerationRequest("x", prompt=sample.prompt, max_new_tokens=1))
         scores, positions = score_sample(backend, sample, prompt)
-        for choice in ("positive", "negative"):
-            ids = backend.tokenize(choice)
-            lp = backend.decoder.log_probs(prompt + ids)
-            direct = sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids))
+        for choice in ("positive", "negative"):  # the label's two surface forms together
+            forms = []
+            for form in (choice, choice.capitalize()):
+                ids = backend.tokenize(form)
+                lp = backend.decoder.log_probs(prompt + ids)
+                forms.append(sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids)))
+            direct = float(torch.logsumexp(torch.tensor(forms), 0))
             assert scores["choice_logprobs"][choice] == pytest.approx(direct, abs=1e-4)
         best = max(("positive", "negative"), key=lambda c: scores["choice_logprobs"][c])
         assert scores["choice"] == best and scores["acc"] == float(best == "positive")
         ref = backend.tokenize("positive")
         assert scores["ref_tokens"] == len(ref) and positions.shape == (len(ref), lp.shape[-1])
-        assert scores["ref_logprob"] == pytest.approx(scores["choice_logprobs"]["positive"], abs=1e-4)
+        assert scores["ref_logprob"] < scores["choice_logprobs"]["positive"]  # one form of the two
         assert torch.isfinite(positions).all()
     finally:
         backend.close()

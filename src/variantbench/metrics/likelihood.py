@@ -7,9 +7,10 @@ low-noise, continuous signal, computed here in one forward per sample (``token_l
 prompt (through the model's chat template, as the harness sends it) followed by a continuation:
 
 * reference log-likelihood: the summed and per-token log-probability of the reference answer;
-* choices (samples with ``choices``, the classification task): log p(choice | prompt) for each,
-  accuracy (the most likely is the reference) and normalized accuracy (by the choice's length in
-  bytes, lm-eval's ``acc_norm``);
+* choices (samples with ``choices``, the classification task): log p(choice | prompt) for each (a
+  label's lower-case and capitalized forms together: a chat model answers "Positive" as often as
+  "positive"), accuracy (the most likely is the reference) and normalized accuracy (by the choice's
+  length in bytes, lm-eval's ``acc_norm``);
 * fidelity on the sample's own positions: KL(standard || variant) and top-1 agreement at the
   positions the answer is scored on (the last prompt token and the reference's tokens). The
   standard keeps, per position, its ``TOP_K`` most likely tokens' log-probabilities and the rest's
@@ -78,10 +79,12 @@ def score_sample(backend: Any, sample: Any, prompt: list[int]) -> tuple[dict[str
     choices = choices_of(sample)
     if choices:
         scores = []
-        for choice in choices:
-            ids = _continuation(backend, choice)
-            clp = backend.token_log_probs(prompt + ids)
-            scores.append(_sum_logprob(clp, ids, start))
+        for choice in choices:  # a label's probability: its surface forms' together ("positive", "Positive")
+            forms = []
+            for form in dict.fromkeys((choice, choice.capitalize())):
+                ids = _continuation(backend, form)
+                forms.append(_sum_logprob(backend.token_log_probs(prompt + ids), ids, start))
+            scores.append(float(torch.logsumexp(torch.tensor(forms), 0)))
         norm = [s / max(1, len(c.encode())) for s, c in zip(scores, choices, strict=True)]
         target = sample.reference.strip().lower()
         pick, pick_norm = (

@@ -4,8 +4,8 @@ Every score is taken per sample on both sides (the first answer each variant gav
 decoding answers a repeated sample the same way) and compared as a paired interval (BCa, by
 ``scipy.stats.bootstrap`` over the samples, ``significance._bootstrap``):
 
-* ``composite`` and ``task score``: the ratio of the variant's mean to the standard's (ratio of
-  sums, so a few long answers weigh what they are worth);
+* ``composite`` and ``task score``: the mean per-sample difference (variant minus standard), its BCa
+  interval read as a ratio of the standard's mean (``paired_mean_ratio``);
 * ``reference likelihood``: exp of the mean per-sample difference of the reference's log-probability
   per token (variant minus standard): the ratio of per-token likelihoods, 1.0 when equal;
 * ``choice accuracy``: the variant's accuracy over the standard's on the samples scored by choices;
@@ -114,16 +114,30 @@ def samples_to_decide(
     return max(n + 1, math.ceil(n * (half / gap) ** 2))
 
 
+def paired_mean_ratio(a: Sequence[float], b: Sequence[float], seed: int = 0,
+                      confidence: float = 0.95) -> tuple[float | None, float | None, float | None]:  # fmt: skip
+    """mean(a) / mean(b) with the interval of the per-sample differences' mean (BCa), read relative to
+    the standard's mean: 1 + [low, high] / mean(b). The difference is what a sample tells; a ratio's
+    own resamples divide by zero wherever the standard scored 0 on every resampled sample (on the
+    default model most composites are 0: the ratio's bootstrap gave no interval at all)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    base = float(y.mean()) if len(y) else 0.0
+    if len(x) < 3 or base <= 0:
+        return None, None, None
+    lo, hi = sig.mean_interval(x - y, seed, confidence=confidence)
+    value = float(x.mean()) / base
+    if lo is None or hi is None:
+        return value, None, None
+    return value, 1 + lo / base, 1 + hi / base
+
+
 def _ratio(metric: str, a: Sequence[float], b: Sequence[float], floor: float, confidence: float,
            names: tuple[str, str], seed: int, decides: bool) -> QualityComparison:  # fmt: skip
-    ones = [1.0] * len(a)
-    r = sig.paired_rate_ratio(a, ones, b, ones, seed=seed, confidence=confidence)
-    st = ratio_state(r["ci_low"], r["ci_high"], floor)
-    more = (
-        samples_to_decide(len(a), r["value"], r["ci_low"], r["ci_high"], floor) if st == "undecided" else None
-    )
-    return QualityComparison(names[0], names[1], metric, r["value"], r["ci_low"], r["ci_high"], confidence, len(a),
-                             floor, st if decides else None, more if decides else None)  # fmt: skip
+    value, low, high = paired_mean_ratio(a, b, seed, confidence)
+    st = ratio_state(low, high, floor)
+    more = samples_to_decide(len(a), value, low, high, floor) if st == "undecided" else None
+    return QualityComparison(names[0], names[1], metric, value, low, high, confidence, len(a), floor,
+                             st if decides else None, more if decides else None)  # fmt: skip
 
 
 def compare(variant: str, records: Sequence[Any], likelihood: Any, standard: str, std_records: Sequence[Any],
