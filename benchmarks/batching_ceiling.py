@@ -164,7 +164,9 @@ def measure(variant: str, requests: int = 30, output_tokens: int = 64, input_len
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default="fp32", help="a variant of the default model: torch engine or gguf-*")
+    ap.add_argument(
+        "--variant", default="fp32", help="a variant of the default model: torch engine or gguf-*"
+    )
     ap.add_argument("--p99-target-s", type=float, default=10.0, help="latency target (s), as serving.py's")
     ap.add_argument("--requests", type=int, default=30, help="prompts timed for prefill and answer length")
     ap.add_argument("--output-tokens", type=int, default=64, help="max_tokens of every request")

@@ -36,19 +36,9 @@ def parity(family: str) -> tuple[float, float, int, bool]:
         reference = model(torch.tensor([prompt])).logits[0]
     want = out.sequences[0, len(prompt) :].tolist()
     dec = Decoder(model)
-    with torch.inference_mode():
-        storage, states = dec._new_cache(1, len(prompt) + 32)
-        cache = dec._cache_views(storage, states)
-        rope = dec._rope_tables(len(prompt) + 32)
-        hidden = dec._forward(dec._embed(torch.tensor([prompt])), torch.arange(len(prompt))[None], cache, 0, None,
-                              True, rope)  # fmt: skip
-        prefill = (dec._logits(hidden[0]) - reference).abs().max().item()
-        decode = (dec._logits(hidden[0, -1]) - out.logits[0][0]).abs().max().item()
-        for i, token in enumerate(want[:-1]):
-            at = len(prompt) + i
-            hidden = dec._forward(dec._embed(torch.tensor([[token]])), torch.tensor([[at]]), cache, at, None, False,
-                                  rope)  # fmt: skip
-            decode = max(decode, (dec._logits(hidden[0, -1]) - out.logits[i + 1][0]).abs().max().item())
+    prefill_logits, steps = dec.teacher_forced_logits(prompt, want)
+    prefill = (prefill_logits - reference).abs().max().item()
+    decode = max((a - b[0]).abs().max().item() for a, b in zip(steps, out.logits, strict=True))
     got = dec.generate([prompt], 32).token_ids[0]
     agree = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 32)
     batch = PagedBatch(dec, max_batch=2, max_len=96, prefill_chunk=5)

@@ -45,26 +45,12 @@ def _hf_greedy(model, prompt: list[int], n: int):  # noqa: ANN001, ANN202
     return out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.logits]
 
 
-@torch.inference_mode()
 def _our_step_logits(
     dec: Decoder, prompt: list[int], forced: list[int]
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Prefill logits at every position, then one decode step per forced token (teacher forcing:
     transformers' tokens are fed, so a difference cannot cascade), each step's logits."""
-    total = len(prompt) + len(forced)
-    storage, states = dec._new_cache(1, total)
-    cache = dec._cache_views(storage, states)
-    rope = dec._rope_tables(total)
-    hidden = dec._forward(dec._embed(torch.tensor([prompt])), torch.arange(len(prompt))[None], cache, 0, None,
-                          True, rope)  # fmt: skip
-    prefill = dec._logits(hidden[0])
-    steps = [prefill[-1]]
-    for i, token in enumerate(forced[:-1]):
-        at = len(prompt) + i
-        hidden = dec._forward(dec._embed(torch.tensor([[token]])), torch.tensor([[at]]), cache, at, None, False,
-                              rope)  # fmt: skip
-        steps.append(dec._logits(hidden[0, -1]))
-    return prefill, steps
+    return dec.teacher_forced_logits(prompt, forced)
 
 
 def test_prefill_and_decode_logits_and_greedy_tokens_match_transformers(pair) -> None:  # noqa: ANN001

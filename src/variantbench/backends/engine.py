@@ -953,6 +953,30 @@ class Decoder:
         return torch.log_softmax(self._logits(hidden[0]), dim=-1)
 
     @torch.inference_mode()
+    def teacher_forced_logits(
+        self, prompt: Sequence[int], forced: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The prompt's prefill logits at every position [len(prompt), vocab], then one decode step
+        per ``forced`` token fed in turn (each step's logits), through the same forward a generation
+        runs: what a parity check compares with another implementation's per-step logits without
+        letting a first difference change every later input."""
+        total = len(prompt) + len(forced)
+        storage, states = self._new_cache(1, total)
+        cache = self._cache_views(storage, states)
+        rope = self._rope_tables(total)
+        ids = torch.tensor([list(prompt)], device=self.device)
+        hidden = self._forward(self._embed(ids), torch.arange(len(prompt), device=self.device)[None], cache, 0, None,
+                               len(prompt) > 1, rope)  # fmt: skip
+        prefill = self._logits(hidden[0])
+        steps = [prefill[-1]]
+        for i, token in enumerate(list(forced)[:-1]):
+            at = len(prompt) + i
+            x = self._embed(torch.tensor([[token]], device=self.device))
+            hidden = self._forward(x, torch.tensor([[at]], device=self.device), cache, at, None, False, rope)
+            steps.append(self._logits(hidden[0, -1]))
+        return prefill, steps
+
+    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

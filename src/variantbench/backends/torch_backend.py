@@ -297,9 +297,27 @@ class TorchBackend:
         took = time.perf_counter_ns() - t0
         return Encoded(ids, None, took, took)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether ``load()`` has run (and ``close()`` not): what generates is in place."""
+        return self._decoder is not None
+
+    def finished(self, req: GenerationRequest, enc: Encoded, tokens: list[int], token_ns: list[int],
+                 start_ns: int, end_ns: int) -> GenerationResult:  # fmt: skip
+        """A completed request's result: its text (stop tokens left out) and where its CPU time went."""
+        shown = [t for t in tokens if t not in self._stop_ids]
+        d0 = time.perf_counter_ns()
+        text = self._tokenizer.decode(shown, skip_special_tokens=True)
+        cpu_work = {"encode_ms": enc.encode_ns / 1e6, "encode_waited_ms": enc.waited_ns / 1e6,
+                    "detokenize_ms": (time.perf_counter_ns() - d0) / 1e6}  # fmt: skip
+        return GenerationResult(req.request_id, text=text.strip(), input_tokens=len(enc.ids or ()),
+                                output_tokens=len(tokens), start_ns=start_ns,
+                                first_token_ns=token_ns[0] if token_ns else None, token_ns=list(token_ns),
+                                end_ns=end_ns, cpu_work=cpu_work)  # fmt: skip
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Encode inline, then generate: the model's thread does the CPU work itself."""
-        if self._decoder is None:
+        if not self.loaded:
             raise RuntimeError("generate() before load()")
         return self.generate_encoded(requests, [self.encode_ahead(r) for r in requests])
 
@@ -339,24 +357,8 @@ class TorchBackend:
                         end_ns=end,
                     )
             else:
-                for (req, ids, enc), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):
-                    shown = [t for t in tokens if t not in self._stop_ids]
-                    d0 = time.perf_counter_ns()
-                    text = self._tokenizer.decode(shown, skip_special_tokens=True)
-                    cpu_work = {
-                        "encode_ms": enc.encode_ns / 1e6,
-                        "encode_waited_ms": enc.waited_ns / 1e6,
-                        "detokenize_ms": (time.perf_counter_ns() - d0) / 1e6,
-                    }
-                    results[req.request_id] = GenerationResult(
-                        req.request_id,
-                        text=text.strip(),
-                        input_tokens=len(ids),
-                        output_tokens=len(tokens),
-                        start_ns=timing.start_ns,
-                        first_token_ns=timing.token_ns[0] if timing.token_ns else None,
-                        token_ns=list(timing.token_ns),
-                        end_ns=timing.end_ns,
-                        cpu_work=cpu_work,
+                for (req, _, enc), tokens, timing in zip(batch, out.token_ids, out.timings, strict=True):
+                    results[req.request_id] = self.finished(
+                        req, enc, tokens, timing.token_ns, timing.start_ns, timing.end_ns
                     )
         return [results[req.request_id] for req in requests]

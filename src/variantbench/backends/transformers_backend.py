@@ -109,6 +109,10 @@ class TransformersBackend(TorchBackend):
         )
 
     @property
+    def loaded(self) -> bool:
+        return getattr(self, "_model", None) is not None
+
+    @property
     def decoder(self) -> Any:
         return None  # no engine decoder: nothing to profile or batch over
 
@@ -146,11 +150,6 @@ class TransformersBackend(TorchBackend):
             )  # fmt: skip
         return out[0, len(ids) :].tolist(), stamps.token_ns
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        if self.model is None:
-            raise RuntimeError("generate() before load()")
-        return self.generate_encoded(requests, [self.encode_ahead(r) for r in requests])
-
     @on_compute
     def token_log_probs(self, ids: list[int]) -> Any:
         import torch
@@ -166,7 +165,7 @@ class TransformersBackend(TorchBackend):
         self, requests: list[GenerationRequest], encoded: list[Encoded]
     ) -> list[GenerationResult]:
         """One request at a time, in order: transformers' generate has no continuous batching."""
-        if self.model is None:
+        if not self.loaded:
             raise RuntimeError("generate() before load()")
         results = []
         for req, enc in zip(requests, encoded, strict=True):
@@ -183,16 +182,7 @@ class TransformersBackend(TorchBackend):
                 continue
             end = time.perf_counter_ns()
             tokens = tokens[: len(token_ns)] if token_ns else tokens
-            shown = [t for t in tokens if t not in self._stop_ids]
-            d0 = time.perf_counter_ns()
-            text = self._tokenizer.decode(shown, skip_special_tokens=True)
             results.append(
-                GenerationResult(
-                    req.request_id, text=text.strip(), input_tokens=len(enc.ids), output_tokens=len(tokens),
-                    start_ns=start, first_token_ns=token_ns[0] if token_ns else None, token_ns=list(token_ns),
-                    end_ns=token_ns[-1] if token_ns else end,
-                    cpu_work={"encode_ms": enc.encode_ns / 1e6, "encode_waited_ms": enc.waited_ns / 1e6,
-                              "detokenize_ms": (time.perf_counter_ns() - d0) / 1e6},
-                )
-            )  # fmt: skip
+                self.finished(req, enc, tokens, token_ns, start, token_ns[-1] if token_ns else end)
+            )
         return results

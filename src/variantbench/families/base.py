@@ -92,17 +92,20 @@ def _load_all() -> None:
             importlib.import_module(f"{package.__name__}.{info.name}")
 
 
-def family_for(config: Any) -> Family | None:
-    """The registered family of a transformers config (by ``model_type``), or None."""
+def _families() -> dict[str, Family]:
+    """The registry, its family files imported on first use."""
     if not FAMILIES:
         _load_all()
-    return FAMILIES.get(str(getattr(config, "model_type", "")))
+    return FAMILIES
+
+
+def family_for(config: Any) -> Family | None:
+    """The registered family of a transformers config (by ``model_type``), or None."""
+    return _families().get(str(getattr(config, "model_type", "")))
 
 
 def registered_types() -> list[str]:
-    if not FAMILIES:
-        _load_all()
-    return sorted(FAMILIES)
+    return sorted(_families())
 
 
 def model_type_of(folder: str | Path) -> str | None:
@@ -115,6 +118,4 @@ def model_type_of(folder: str | Path) -> str | None:
 
 def family_of_folder(folder: str | Path) -> Family | None:
     """The registered family of a model folder, or None (unregistered, or no config to read)."""
-    if not FAMILIES:
-        _load_all()
-    return FAMILIES.get(str(model_type_of(folder)))
+    return _families().get(str(model_type_of(folder)))
