@@ -4,8 +4,10 @@ LoadGen (``mlcommons-loadgen``, in ``dev``) runs a single-stream test against a 
 the k-th query after a chosen latency (all distinct, ``SPACING_MS`` apart, in a shuffled order),
 busy-waiting so LoadGen measures the chosen value plus a small overhead. Its summary's percentiles
 must then be, within the overhead, the values our ``percentile`` picks from the chosen latencies:
-the same rank. The spacing (3 ms) is far above the overhead (tens of microseconds), so the wrong
-rank cannot pass.
+the same rank. LoadGen's value is read back as the largest chosen latency at or below it: the
+overhead is tens of microseconds on a quiet host and was 1.7 ms once on a busy 2-core CI host, so
+the spacing (5 ms) keeps a preempted query from reading as the next rank, and the wrong rank
+cannot pass.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from variantbench.metrics.latency import percentile
 lg = pytest.importorskip("mlperf_loadgen")
 
 N = 60
-SPACING_MS = 3.0
+SPACING_MS = 5.0
 
 
 def _run_loadgen(out: Path) -> tuple[list[float], dict[float, float]]:
@@ -72,8 +74,9 @@ def test_percentiles_are_loadgens_on_the_same_latencies(tmp_path: Path) -> None:
     for p, theirs in loadgen.items():
         ours = percentile(chosen, p)
         assert ours is not None
-        # LoadGen measured our chosen latency plus its own overhead: well under the spacing
-        assert 0 <= theirs - ours < SPACING_MS / 2, (p, ours, theirs)
+        # LoadGen measured a chosen latency plus its own overhead (under the spacing): which one
+        assert 0 <= theirs - ours < SPACING_MS, (p, ours, theirs)
+        assert max(c for c in chosen if c <= theirs) == ours, (p, ours, theirs)
         ordered = sorted(chosen)
         nearest_rank = ordered[max(0, -(-N * int(p * 100) // 10000) - 1)]
         differs += nearest_rank != ours
