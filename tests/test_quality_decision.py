@@ -256,3 +256,38 @@ def test_a_run_puts_lm_evals_scores_beside_ours_and_pairs_them_by_document(tiny_
     metrics = {c["metric"] for c in runs["int8"]["quality_vs_standard"]["comparisons"]}
     assert "lm-eval vb_sentiment acc" in metrics and "fidelity" in metrics
     assert "## lm-evaluation-harness" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_look_waits_for_an_undecided_quality_gate_and_not_for_a_decided_or_tied_one() -> None:
+    std, same = _answers([99] * 12)
+    _, cut = _answers([3] * 12)
+    _, noisy = _answers([99, 99, 99, 99, 99, 6, 6, 6, 6, 99, 99, 99])
+    floors = (0.90, 0.95, 0.99)
+
+    def waits(recs: list[QueryRecord], rows: dict | None = None) -> list[str]:
+        return qc.undecided_quality({"fp32": std, "int8": recs}, rows or {}, "fp32", floors, 0.99, 0.95)
+
+    assert waits(noisy) == ["int8"]  # 0.88 [0.75, 0.96]: undecided at the 90% and 95% floors
+    assert waits(same) == [] and waits(cut) == []  # meets / fails every floor
+    tie = {"int8": [{"sample_id": f"s{i}", "kl": 0.002} for i in range(12)]}
+    assert waits(noisy, tie) == []  # the fidelity tie decides without the text
+
+
+def test_each_pass_of_the_synthetic_workload_brings_new_samples_in_the_mix() -> None:
+    from collections import Counter
+
+    from variantbench.loadgen.harness import sample_order
+    from variantbench.workloads import build_synthetic
+
+    one = build_synthetic(5, seed=3)
+    three = build_synthetic(5, seed=3, passes=3)
+    assert three.pass_size == 5 and three.passes == 3 and len(three) == 15
+    assert three.samples[:5] == one.samples  # a one-pass run measures what a three-pass run starts with
+    assert len({s.sample_id for s in three.samples}) == 15
+    mixes = [Counter(s.task for s in three.samples[k * 5 : (k + 1) * 5]) for k in range(3)]
+    assert mixes[0] == mixes[1] == mixes[2]  # every pass in the mix's proportions
+    order = sample_order(15, 30, seed=1, pass_size=5)
+    for k in range(3):  # pass k's queries ask pass k's samples, each once
+        assert sorted(order[k * 5 : (k + 1) * 5]) == list(range(k * 5, (k + 1) * 5))
+    assert sorted(order[15:]) == list(range(15))  # past the last pass: the library again
+    assert sample_order(8, 16, seed=1) == sample_order(8, 16, seed=1, pass_size=None)

@@ -87,14 +87,17 @@ class RunLog:
     senders: list[dict[str, object]] = field(default_factory=list)  # remote senders: node, clock offset
 
 
-def sample_order(n_library: int, n_queries: int, seed: int) -> list[int]:
-    """Seeded order: a permutation of the library, repeated (and reshuffled) as often as needed."""
+def sample_order(n_library: int, n_queries: int, seed: int, pass_size: int | None = None) -> list[int]:
+    """Seeded order: a permutation of the library, repeated (and reshuffled) as often as needed; a
+    library of passes is permuted pass by pass (pass j's samples are queries j * pass_size on)."""
     rng = random.Random(seed)
+    step = pass_size or n_library
     order: list[int] = []
     while len(order) < n_queries:
-        block = list(range(n_library))
-        rng.shuffle(block)
-        order.extend(block)
+        for start in range(0, n_library, step):
+            block = list(range(start, min(start + step, n_library)))
+            rng.shuffle(block)
+            order.extend(block)
     return order[:n_queries]
 
 
@@ -141,6 +144,7 @@ def run_scenario(
         len(library),
         (s.first_query + min(planned, 4 * max(s.min_queries, len(library)))) * per_query,
         s.sample_seed,
+        library.pass_size,
     )
 
     lock = threading.Condition()

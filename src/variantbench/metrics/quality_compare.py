@@ -206,6 +206,33 @@ def _lm_eval_pairs(names: tuple[str, str], mine: Any, theirs: Any, floor: float,
     return out
 
 
+def decided_at(comparisons: Sequence[QualityComparison], floors: Sequence[float]) -> bool:
+    """Whether the gate is decided at every floor the recommendation reads (the profiles' 90-99%):
+    a fidelity tie, or the deciding comparison's interval wholly above or below each floor. What a
+    look asks of quality before the run may stop (``pipeline/interleave.py``)."""
+    if any(c.metric == "fidelity" and c.state == "tied" for c in comparisons):
+        return True
+    deciding = next((c for c in comparisons if c.state is not None and c.metric != "fidelity"), None)
+    if deciding is None:
+        return False
+    return all(ratio_state(deciding.ci_low, deciding.ci_high, f) != "undecided" for f in floors)
+
+
+def undecided_quality(records: dict[str, Sequence[Any]], likelihood: dict[str, list[dict[str, Any]]],
+                      standard: str, floors: Sequence[float], threshold: float, confidence: float) -> list[str]:  # fmt: skip
+    """The variants whose quality gate against ``standard`` is not yet decided at every floor, from
+    the records and per-sample likelihood rows so far (a look's question)."""
+    from variantbench.report.schema import Likelihood, SampleLikelihood
+
+    def report(name: str) -> Any:
+        rows = likelihood.get(name)
+        return Likelihood(per_sample=[SampleLikelihood(**r) for r in rows]) if rows else None
+
+    return [name for name in records if name != standard and not decided_at(
+        compare(name, records[name], report(name), standard, records[standard], report(standard), floor=threshold,
+                confidence=confidence), floors)]  # fmt: skip
+
+
 def gate_state(comparisons: Sequence[QualityComparison]) -> tuple[str | None, str]:
     """The quality gate's state and the comparison that decided it (see the module's order)."""
     for c in comparisons:

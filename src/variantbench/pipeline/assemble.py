@@ -62,13 +62,21 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
     return report
 
 
+def look_confidence_of(plan: Plan) -> float:
+    """The confidence of every interval a run decides on: 1 - alpha / looks under until_decided."""
+    from variantbench.metrics.sequential import look_confidence
+
+    a = plan.analysis
+    return look_confidence(a.alpha, a.looks if a.until_decided else 1)
+
+
 def comparisons(report: Report, plan: Plan, measured: dict[str, list[QueryRecord]]) -> list[Any]:
     """Every pair of measured variants: paired throughput over the samples both answered (at the
     confidence the run's looks used), and batch throughput over the interleaved batch rounds."""
-    from variantbench.metrics.sequential import all_pairs, compare_repeated, look_confidence
+    from variantbench.metrics.sequential import all_pairs, compare_repeated
 
     a = plan.analysis
-    confidence = look_confidence(a.alpha, a.looks if a.until_decided else 1)
+    confidence = look_confidence_of(plan)
     band = a.tie_band / 100
     ok = [r.variant for r in report.runs if r.status == "ok" and r.variant in measured]
     out = all_pairs({v: measured[v] for v in ok}, confidence=confidence, band=band)
@@ -161,7 +169,7 @@ def summarize_payload(
                 run, records, std_run, std_records,
                 threshold=plan.quality.threshold / 100, length_tolerance=plan.quality.length_tolerance / 100,
                 likelihood=run.likelihood, standard_likelihood=std_run.likelihood,
-                lm_eval=run.lm_eval, standard_lm_eval=std_run.lm_eval,
+                lm_eval=run.lm_eval, standard_lm_eval=std_run.lm_eval, confidence=look_confidence_of(plan),
             )  # fmt: skip
             run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
     histograms = (payload.get("server_metrics") or {}).get("latency_histograms")

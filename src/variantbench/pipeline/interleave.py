@@ -16,6 +16,13 @@ queries, or ``rate x min_duration_s`` in the server scenario). Without ``until_d
 at the first look; with it, it goes on until every pairwise comparison is decided
 (``metrics/sequential.py``), the looks run out, or a budget (``max_queries``, ``max_duration_s``
 per variant) ends. A variant whose process fails is recorded as failed; the others go on.
+
+Quality joins the looks: at each look every session scores the pass's samples by likelihood (the
+standard first: the others' KL reads its distributions), and each variant's quality gate against
+the standard is computed at the look's confidence (``metrics/quality_compare.py``). The run stops
+when speed *and* quality are decided, at every profile's floor. Quality waits for a further pass
+only where that pass brings samples not yet answered (a synthetic workload built with one pass a
+look): greedy decoding answers a repeated sample the same way, so a repeated pass cannot narrow it.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class Outcome:
     looks: list[dict[str, Any]] = field(default_factory=list)
     stopped: str = ""
     comparisons: list[Comparison] = field(default_factory=list)
+    likelihood: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # scored at the looks
 
 
 def _no_block_progress(emit: OnEvent) -> OnEvent:
@@ -160,9 +168,14 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
             look += 1
             next_look = done + per_pass
             out.comparisons = all_pairs(alive, confidence=confidence, band=a.tie_band / 100)
-            decided = settled(out.comparisons)
+            library = next(iter(jobs.values())).workload
+            new_samples_ahead = bool(library.pass_size) and done < len(library)
+            quality_open = (_quality_look(sessions, jobs, out, plan, confidence, on_event)
+                            if a.until_decided and new_samples_ahead else [])  # fmt: skip
+            decided = settled(out.comparisons) and not quality_open
             out.looks.append({"look": look, "queries_per_variant": done, "confidence": confidence,
-                              "undecided": [f"{c.a} vs {c.b}" for c in out.comparisons if c.state == "undecided"]})  # fmt: skip
+                              "undecided": [f"{c.a} vs {c.b}" for c in out.comparisons if c.state == "undecided"]
+                              + [f"{v}: quality" for v in quality_open]})  # fmt: skip
             if a.until_decided:
                 say(f"look {look}/{looks} after {done} queries per variant: "
                     + ("every comparison decided" if decided else
@@ -182,3 +195,31 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
         if deadline is not None and time.monotonic() >= deadline:
             out.stopped = "budget: max_duration_s"
             break
+
+
+def _quality_look(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out: Outcome, plan: Plan,
+                  confidence: float, on_event: Callable[[str], OnEvent]) -> list[str]:  # fmt: skip
+    """Score the samples answered so far by likelihood (the standard first), then the variants whose
+    quality gate against the standard is still undecided at some profile's floor."""
+    from variantbench.metrics.quality_compare import undecided_quality
+
+    standard = next((n for n, j in jobs.items() if j.is_standard), None)
+    if standard is None or standard not in sessions:
+        return []
+    std_records = out.records[standard]
+    if not any(r.reference for r in std_records):
+        return []  # nothing to score quality by: it cannot hold the run
+    ids = list(dict.fromkeys(r.sample_id for r in std_records))
+    for name in [standard, *(n for n in sessions if n != standard)]:
+        try:
+            out.likelihood.setdefault(name, []).extend(sessions[name].call("likelihood", ids, on_event=on_event(name)))
+        except JobFailed as exc:
+            out.failures[name] = str(exc)
+            sessions.pop(name).close()
+
+    if standard not in sessions:  # its scoring failed: nothing to compare with
+        return []
+    floors = sorted({p.quality_floor for p in plan.decision.profiles().values() if p.quality_floor is not None}
+                    | {plan.quality.threshold / 100})  # fmt: skip
+    alive = {n: out.records[n] for n in sessions}
+    return undecided_quality(alive, out.likelihood, standard, floors, plan.quality.threshold / 100, confidence)

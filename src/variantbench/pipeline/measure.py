@@ -87,6 +87,8 @@ class VariantSession:
         self.server_samples: list[list[Any]] = []  # a served variant's /metrics over its blocks
         self.server_error: str | None = None
         self.server_histograms: dict[str, dict[str, float]] = {}  # latency buckets added in the blocks
+        self.likelihood_rows: list[dict[str, Any]] = []  # per-sample likelihood scores, look by look
+        self.answered: list[str] = []  # sample ids this session's blocks asked, in order (no repeats)
         # where the variant's time went (s): what a user reads when a run takes longer than expected
         self.phases: dict[str, float] = {"load": round(self.load.startup_s, 3), "scenario": 0.0, "batch": 0.0}
 
@@ -118,6 +120,7 @@ class VariantSession:
             self.server_samples += scraper.samples
             add_deltas(self.server_histograms, scraper.histograms)
             self.server_error = self.server_error or scraper.error
+        self.answered = list(dict.fromkeys([*self.answered, *(r.sample_id for r in self.result.records)]))
         self.usage.append(tracker.result)
         self.phases["scenario"] += tracker.result.wall_s
         return [r.to_json() for r in self.result.records]
@@ -171,15 +174,12 @@ class VariantSession:
                 start = time.perf_counter()
                 fidelity = measure(backend, job.fidelity, job.is_standard)
                 self.phases["fidelity"] = time.perf_counter() - start
+            self.likelihood(None, emit)
             likelihood = None
-            if job.likelihood is not None and isinstance(backend, ScoresLikelihood):
-                from variantbench.metrics import likelihood as lk
+            if self.likelihood_rows:
+                from variantbench.metrics.likelihood import summarize
 
-                emit(("status", "likelihood scores on the workload's samples"))
-                start = time.perf_counter()
-                likelihood = lk.measure(backend, job.workload.samples, job.likelihood, job.is_standard,
-                                        prompt_of=lambda s: list(backend.encode(prompt_request(s))))  # fmt: skip
-                self.phases["likelihood"] = time.perf_counter() - start
+                likelihood = {"samples": self.likelihood_rows, "summary": summarize(self.likelihood_rows)}
             lm_eval = None
             if job.lm_eval is not None and isinstance(backend, EvaluationModel):
                 from variantbench.metrics.lm_eval import evaluate
@@ -210,6 +210,29 @@ class VariantSession:
         finally:
             self.close()
         return {**self._payload(fidelity, diagnosis), "likelihood": likelihood, "lm_eval": lm_eval}
+
+    def likelihood(self, sample_ids: list[str] | None, emit: Emit) -> list[dict[str, Any]]:
+        """Likelihood scores of the given samples (None: every sample the blocks asked) not scored yet;
+        kept for the payload and returned. An interleaved run calls it at each look, the standard
+        first (its distributions are what the others' KL reads), so quality joins the looks."""
+        job, backend = self.job, self.backend
+        if job.likelihood is None or not isinstance(backend, ScoresLikelihood):
+            return []
+        from variantbench.metrics import likelihood as lk
+
+        done = {row["sample_id"] for row in self.likelihood_rows}
+        wanted = [i for i in (self.answered if sample_ids is None else sample_ids) if i not in done]
+        by_id = {s.sample_id: s for s in job.workload.samples}
+        samples = [by_id[i] for i in wanted if i in by_id]
+        if not samples:
+            return []
+        emit(("status", f"likelihood scores on {len(samples)} of the workload's samples"))
+        start = time.perf_counter()
+        got = lk.measure(backend, samples, job.likelihood, job.is_standard,
+                         prompt_of=lambda s: list(backend.encode(prompt_request(s))))["samples"]  # fmt: skip
+        self.phases["likelihood"] = self.phases.get("likelihood", 0.0) + time.perf_counter() - start
+        self.likelihood_rows += got
+        return got
 
     def interim(self, emit: Emit) -> dict[str, Any]:
         """The raw payload of the blocks so far, the variant kept loaded (no fidelity, no diagnosis):

@@ -212,9 +212,8 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         for name, variant in specs.items():  # a recipe the model's family cannot take: one line, now
             check_support(variant.recipes, base_dir, name)
     write_plan(plan, out / "plan.yaml")
-    library = build_workload(
-        plan, base_dir, say=lambda msg: console.print(f"[dim]{msg}[/dim]"), checked=checked
-    )
+    library = build_workload(plan, base_dir, say=lambda msg: console.print(f"[dim]{msg}[/dim]"), checked=checked,
+                             passes=1 if endpoints else None)  # fmt: skip
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     header = Report(
         tool_version=__version__,
@@ -340,7 +339,7 @@ class RunContext:
         rid = self.run_id if plan.analysis.repeats == 1 else f"{self.run_id}#{repeat}"
         return MeasureJob(
             variant=variant, workload=self.library, log_path=str(self.log_path),
-            load=load_settings(plan, rid, len(self.library)), spec=self.specs.get(variant), artifact=artifact,
+            load=load_settings(plan, rid, self.library.pass_size or len(self.library)), spec=self.specs.get(variant), artifact=artifact,
             base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoints.get(variant),
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
             likelihood=self.likelihood if repeat == 0 else None, lm_eval=self.lm_eval if repeat == 0 else None,
@@ -582,9 +581,16 @@ def _load_file(plan: Plan, console: Console) -> Workload:
     )
 
 
-def build_workload(
-    plan: Plan, model_dir: str, say: Callable[[str], None], checked: Workload | None = None
-) -> Workload:
+def workload_passes(plan: Plan) -> int:
+    """Passes the synthetic workload is built with: one per look under ``until_decided``, so each
+    look brings samples not yet answered (a quality interval narrows only on new samples: greedy
+    decoding answers a repeated sample the same way); one where ``limits.min_queries`` sets a pass."""
+    a = plan.analysis
+    return a.looks if a.until_decided and plan.is_timed and plan.limits.min_queries is None else 1
+
+
+def build_workload(plan: Plan, model_dir: str, say: Callable[[str], None], checked: Workload | None = None,
+                   passes: int | None = None) -> Workload:  # fmt: skip
     """The plan's workload, lengths counted with the model's tokenizer when there is one."""
     from variantbench.workloads import TASKS, build_synthetic, parse_lengths, parse_mix
     from variantbench.workloads.counting import tokenizer_counter
@@ -602,7 +608,9 @@ def build_workload(
             return checked
         samples = tuple(replace(s, input_tokens=counter(s.prompt)) for s in checked.samples)
         return replace(checked, samples=samples, info={**checked.info, "counted_with": tokenizer_dir})
-    say(f"building the synthetic workload: {plan.load.tasks} samples, {w.input_lengths} input tokens")
+    passes = passes or workload_passes(plan)
+    say(f"building the synthetic workload: {plan.load.tasks} samples"
+        + (f" a pass, {passes} passes (one a look)" if passes > 1 else "") + f", {w.input_lengths} input tokens")
     return build_synthetic(
         plan.load.tasks,
         plan.seeds.workload,
@@ -610,4 +618,5 @@ def build_workload(
         lengths=parse_lengths(w.input_lengths),
         counter=counter,
         counted_with=tokenizer_dir,
+        passes=passes,
     )

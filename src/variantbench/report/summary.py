@@ -340,6 +340,7 @@ def compare_to_standard(
     standard_likelihood: Any = None,
     lm_eval: Any = None,
     standard_lm_eval: Any = None,
+    confidence: float = 0.95,
 ) -> QualityVsStandard:
     """MLPerf-style gates: quality >= threshold x the standard's, mean output length within tolerance.
 
@@ -348,7 +349,8 @@ def compare_to_standard(
     Quality is decided on paired intervals (``metrics/quality_compare.py``): the gate PASSes when
     the deciding interval meets the threshold (or fidelity ties), FAILs when it lies below, and is
     UNDECIDED between; with fewer than 3 paired samples and no likelihood scores it falls back to the
-    point ratio and says so. ``likelihood``: the two runs' ``Likelihood`` reports, where measured.
+    point ratio and says so. ``likelihood``: the two runs' ``Likelihood`` reports, where measured;
+    ``confidence``: the intervals' (the run's looks split alpha over them, as for speed).
     """
     from variantbench.metrics.quality_compare import compare, gate_state
 
@@ -381,7 +383,7 @@ def compare_to_standard(
         result.ratio = q / base
     comparisons = compare(run.variant, records, likelihood, standard.variant, standard_records,
                           standard_likelihood, floor=threshold, lm_eval=lm_eval,
-                          standard_lm_eval=standard_lm_eval)  # fmt: skip
+                          standard_lm_eval=standard_lm_eval, confidence=confidence)  # fmt: skip
     result.comparisons = [QualityComparisonReport(**{k: v for k, v in c.to_json().items()
                                                      if k in QualityComparisonReport.model_fields})
                           for c in comparisons]  # fmt: skip

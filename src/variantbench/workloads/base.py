@@ -35,6 +35,9 @@ class SampleLibrary(Protocol):
     name: str
     seed: int
 
+    # samples one pass takes (a look comes after each); None: every pass is the whole library
+    pass_size: int | None
+
     def __len__(self) -> int: ...
 
     def sample(self, index: int) -> Sample: ...
@@ -50,10 +53,19 @@ class Workload:
     seed: int
     samples: tuple[Sample, ...]
     info: dict[str, Any] = field(default_factory=dict)
+    # a library of several passes (``build_synthetic(passes=k)``): pass j is samples
+    # [j * pass_size, (j + 1) * pass_size), each with the task mix, so every look brings new samples
+    pass_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.samples:
             raise ValueError("a workload needs at least one sample")
+        if self.pass_size is not None and (self.pass_size < 1 or len(self.samples) % self.pass_size):
+            raise ValueError(f"{len(self.samples)} samples do not split into passes of {self.pass_size}")
+
+    @property
+    def passes(self) -> int:
+        return len(self.samples) // self.pass_size if self.pass_size else 1
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -70,6 +82,7 @@ class Workload:
             "name": self.name,
             "seed": self.seed,
             "samples": len(self.samples),
+            **({"passes": self.passes, "pass_size": self.pass_size} if self.pass_size else {}),
             "tasks": tasks,
             **self.info,
             "input_tokens": token_stats(counts),

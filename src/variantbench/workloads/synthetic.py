@@ -170,8 +170,11 @@ def build_synthetic(
     counter: TokenCounter | None = None,
     counted_with: str | None = None,
     max_new_tokens: Mapping[str, int] | None = None,
+    passes: int = 1,
 ) -> Workload:
-    """``n`` samples; deterministic for the seed (and the tokenizer that counts the lengths)."""
+    """``n`` samples a pass, ``passes`` passes (each its own samples, in the mix's proportions);
+    deterministic for the seed (and the tokenizer that counts the lengths). The first pass does not
+    depend on ``passes``: a run of one pass measures the samples a run of three starts with."""
     if n < 1:
         raise ValueError("a workload needs at least one sample")
     mix = dict(mix or DEFAULT_MIX)
@@ -182,11 +185,11 @@ def build_synthetic(
     count = counter or approximate_counter
     caps = {**MAX_NEW_TOKENS, **(max_new_tokens or {})}
     rng = random.Random(seed)
-    tasks = allocate(n, mix, rng)
     samples = []
-    for i, task in enumerate(tasks):
-        target = lengths.draw(rng)
-        samples.append(_make(task, f"synthetic-{seed}-{i}", target, rng, count, caps[task]))
+    for _ in range(passes):
+        for task in allocate(n, mix, rng):
+            target = lengths.draw(rng)
+            samples.append(_make(task, f"synthetic-{seed}-{len(samples)}", target, rng, count, caps[task]))
     info = {
         "source": "synthetic",
         "mix": {k: round(v, 4) for k, v in sorted(mix.items())},
@@ -194,7 +197,8 @@ def build_synthetic(
         "counted_with": counted_with or ("tokenizer" if counter else "approximate (4/3 tokens per word)"),
         "max_new_tokens": {t: caps[t] for t in sorted(mix)},
     }
-    return Workload(name="synthetic", seed=seed, samples=tuple(samples), info=info)
+    return Workload(name="synthetic", seed=seed, samples=tuple(samples), info=info,
+                    pass_size=n if passes > 1 else None)  # fmt: skip
 
 
 def SyntheticLibrary(  # noqa: N802 - the name tests and tools have used since the first issue
