@@ -10,7 +10,7 @@ from variantbench.analysis.profiles import Profile
 from variantbench.analysis.recommend import recommend
 from variantbench.metrics import quality_compare as qc
 from variantbench.records import QueryRecord
-from variantbench.report.schema import Resources
+from variantbench.report.schema import Likelihood, Resources, SampleLikelihood
 from variantbench.report.summary import compare_to_standard, summarize_run
 
 WORDS = "the town lies on the river and is known for its stone bridge and a spring festival".split()
@@ -265,7 +265,8 @@ def test_a_look_waits_for_an_undecided_quality_gate_and_not_for_a_decided_or_tie
     floors = (0.90, 0.95, 0.99)
 
     def waits(recs: list[QueryRecord], rows: dict | None = None) -> list[str]:
-        return qc.undecided_quality({"fp32": std, "int8": recs}, rows or {}, "fp32", floors, 0.99, 0.95)
+        reports = {n: Likelihood(per_sample=[SampleLikelihood(**r) for r in rs]) for n, rs in (rows or {}).items()}
+        return qc.undecided_quality({"fp32": std, "int8": recs}, reports, "fp32", floors, 0.99, 0.95)
 
     assert waits(noisy) == ["int8"]  # 0.88 [0.75, 0.96]: undecided at the 90% and 95% floors
     assert waits(same) == [] and waits(cut) == []  # meets / fails every floor

@@ -218,19 +218,13 @@ def decided_at(comparisons: Sequence[QualityComparison], floors: Sequence[float]
     return all(ratio_state(deciding.ci_low, deciding.ci_high, f) != "undecided" for f in floors)
 
 
-def undecided_quality(records: dict[str, Sequence[Any]], likelihood: dict[str, list[dict[str, Any]]],
-                      standard: str, floors: Sequence[float], threshold: float, confidence: float) -> list[str]:  # fmt: skip
+def undecided_quality(records: dict[str, Sequence[Any]], likelihood: dict[str, Any], standard: str,
+                      floors: Sequence[float], threshold: float, confidence: float) -> list[str]:  # fmt: skip
     """The variants whose quality gate against ``standard`` is not yet decided at every floor, from
-    the records and per-sample likelihood rows so far (a look's question)."""
-    from variantbench.report.schema import Likelihood, SampleLikelihood
-
-    def report(name: str) -> Any:
-        rows = likelihood.get(name)
-        return Likelihood(per_sample=[SampleLikelihood(**r) for r in rows]) if rows else None
-
+    the records and likelihood reports (``per_sample`` rows) so far: a look's question."""
     return [name for name in records if name != standard and not decided_at(
-        compare(name, records[name], report(name), standard, records[standard], report(standard), floor=threshold,
-                confidence=confidence), floors)]  # fmt: skip
+        compare(name, records[name], likelihood.get(name), standard, records[standard], likelihood.get(standard),
+                floor=threshold, confidence=confidence), floors)]  # fmt: skip
 
 
 def gate_state(comparisons: Sequence[QualityComparison]) -> tuple[str | None, str]:

@@ -202,6 +202,7 @@ def _quality_look(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
     """Score the samples answered so far by likelihood (the standard first), then the variants whose
     quality gate against the standard is still undecided at some profile's floor."""
     from variantbench.metrics.quality_compare import undecided_quality
+    from variantbench.report.schema import Likelihood, SampleLikelihood
 
     standard = next((n for n, j in jobs.items() if j.is_standard), None)
     if standard is None or standard not in sessions:
@@ -222,4 +223,6 @@ def _quality_look(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
     floors = sorted({p.quality_floor for p in plan.decision.profiles().values() if p.quality_floor is not None}
                     | {plan.quality.threshold / 100})  # fmt: skip
     alive = {n: out.records[n] for n in sessions}
-    return undecided_quality(alive, out.likelihood, standard, floors, plan.quality.threshold / 100, confidence)
+    reports = {n: Likelihood(per_sample=[SampleLikelihood(**r) for r in rows])
+               for n, rows in out.likelihood.items() if rows}  # fmt: skip
+    return undecided_quality(alive, reports, standard, floors, plan.quality.threshold / 100, confidence)
