@@ -49,6 +49,12 @@ def test_two_served_variants_compared_end_to_end(two_servers: tuple[str, str], t
         "UNDECIDED",
     )
     assert small["ab_vs_standard"]["paired"] is True and small["ab_vs_standard"]["pairs"] == 6
+    # likelihood scores from each server (echo + logprobs), paired by sample: no fidelity from a server
+    for run in (full, small):
+        lk = run["likelihood"]
+        assert lk["unavailable"] is None and lk["samples"] == 6 and lk["kl_mean"] is None
+        assert all(s["ref_tokens"] >= 1 and s["ref_logprob"] < 0 for s in lk["per_sample"])
+    assert "reference likelihood" in {c["metric"] for c in small["quality_vs_standard"]["comparisons"]}
     assert report["recommendations"]["latency"]["variant"] in ("full", "small")
     edge = report["recommendations"]["edge"]["reasons"]
     assert all("not measured (a served model's memory is the server's)" in why for why in edge.values())
@@ -212,6 +218,15 @@ def test_a_sharegpt_file_through_vllm_style_flags_with_goodput_itl_and_a_vllm_re
     assert run["scenario"] == "offline" and run["queries"]["completed"] == 5
     refs = {json.loads(x)["reference"] for x in (out / "queries.jsonl").read_text().splitlines()}
     assert refs == {f"Answer {i}." for i in range(5)}  # the first model turn is the reference
+    # a server that cannot score text (no /tokenize): not available, said once, and the run goes on
+    assert (
+        run["likelihood"]["per_sample"] == []
+        and "/tokenize answered HTTP 404" in run["likelihood"]["unavailable"]
+    )
+    assert (
+        "noop: likelihood scores not available (/tokenize answered HTTP 404"
+        in (out / "report.md").read_text()
+    )
     assert run["itl_ms"]["p50"] is not None and set(run["percentiles"]) == {"ttft", "tpot", "itl", "e2el"}
     assert run["goodput"]["slo_ms"] == {"ttft": 5000, "e2el": 10000} and run["goodput"]["met"] == 5
     vllm = json.loads((out / "vllm_result.noop.json").read_text())
@@ -240,3 +255,32 @@ def test_senders_default_to_the_cores_or_half_beside_a_local_server() -> None:
     assert (
         load_settings(Plan.model_validate({"load": {"scenario": "server", "rate_qps": 5}}), "r").senders == 1
     )
+
+
+def test_a_served_variant_gets_lm_eval_on_its_server_in_a_run(two_servers: tuple[str, str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """quality.lm_eval on a served variant: lm-eval's API model against the variant's server, in the
+    report beside the likelihood scores the same server gave."""
+    from test_quality_decision import LETTERS, _task_folder
+
+    from variantbench.pipeline.run import execute
+    from variantbench.plan import Plan
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    a, _ = two_servers
+    folder = _task_folder(tmp_path / "tasks")
+    execute(Plan.model_validate({
+        "out": str(tmp_path / "out"), "variants": ["full"], "output": {"record_history": False},
+        "endpoints": {"full": {"url": a, "model": "fp32"}},
+        "load": {"scenario": "single-stream", "tasks": 3}, "workload": {"max_new_tokens": 4},
+        "quality": {"lm_eval": {"tasks": ["vb_sentiment"], "include_path": str(folder)}},
+    }))  # fmt: skip
+    run = json.loads((tmp_path / "out" / "report.json").read_text())["runs"][0]
+    assert run["lm_eval"]["unavailable"] is None and len(run["lm_eval"]["docs"]["vb_sentiment"]) == len(
+        LETTERS
+    )
+    assert 0 <= run["lm_eval"]["tasks"]["vb_sentiment"]["acc"] <= 1
+    # samples longer than the test server's 512-token context are left out, the others scored
+    assert run["likelihood"]["unavailable"] is None and 1 <= run["likelihood"]["samples"] < 3
+    assert "lm-evaluation-harness" in (tmp_path / "out" / "report.md").read_text()

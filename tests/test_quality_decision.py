@@ -216,18 +216,25 @@ def test_an_lm_eval_custom_task_over_a_local_jsonl_is_scored_as_the_model_scores
         np.mean(list(docs.values()))
     )
     assert out["tasks"]["vb_sentiment"]["acc_stderr"] is not None
-    dec = Decoder(model)
-    for i, (text, label) in enumerate(LETTERS):
-        context = tok(f"Letter: {text}\nIs the writer's opinion positive or negative? Answer:")["input_ids"]
+    assert [docs[i] for i in range(len(LETTERS))] == direct_accuracies(tok, Decoder(model).log_probs)
+
+
+def direct_accuracies(tok, log_probs) -> list[float]:  # noqa: ANN001
+    """Each letter's accuracy as one forward a choice computes it: 1 where the target choice (after
+    lm-eval's target delimiter " ") is the more likely continuation of the task's prompt."""
+    out = []
+    for text, label in LETTERS:
+        prompt = f"Letter: {text}\nIs the writer's opinion positive or negative? Answer:"
+        context = tok(prompt)["input_ids"]
         scores = []
-        for choice in (" positive", " negative"):  # lm-eval's target_delimiter " " before each choice
-            whole = tok(f"Letter: {text}\nIs the writer's opinion positive or negative? Answer:{choice}")[
-                "input_ids"
-            ]
-            cont = whole[len(context) :]
-            lp = dec.log_probs(whole)
-            scores.append(sum(lp[len(context) - 1 + j, t].item() for j, t in enumerate(cont)))
-        assert docs[i] == float(int(np.argmax(scores)) == label), (i, scores)
+        for choice in (" positive", " negative"):
+            whole = tok(prompt + choice)["input_ids"]
+            lp = log_probs(whole)
+            scores.append(
+                sum(float(lp[len(context) - 1 + j, t]) for j, t in enumerate(whole[len(context) :]))
+            )
+        out.append(float(int(np.argmax(scores)) == label))
+    return out
 
 
 def test_a_run_puts_lm_evals_scores_beside_ours_and_pairs_them_by_document(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
@@ -265,7 +272,9 @@ def test_a_look_waits_for_an_undecided_quality_gate_and_not_for_a_decided_or_tie
     floors = (0.90, 0.95, 0.99)
 
     def waits(recs: list[QueryRecord], rows: dict | None = None) -> list[str]:
-        reports = {n: Likelihood(per_sample=[SampleLikelihood(**r) for r in rs]) for n, rs in (rows or {}).items()}
+        reports = {
+            n: Likelihood(per_sample=[SampleLikelihood(**r) for r in rs]) for n, rs in (rows or {}).items()
+        }
         return qc.undecided_quality({"fp32": std, "int8": recs}, reports, "fp32", floors, 0.99, 0.95)
 
     assert waits(noisy) == ["int8"]  # 0.88 [0.75, 0.96]: undecided at the 90% and 95% floors

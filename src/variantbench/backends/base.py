@@ -115,6 +115,24 @@ class ScoresLikelihood(Protocol):
 
 
 @runtime_checkable
+class ScoresServed(Protocol):
+    """Log-probabilities of text after a request's prompt, asked of a server: the prompt as the server
+    sees the request, each continuation's tokens after it, one token log-probability each (at most
+    ``max_tokens`` of them). Raises ``ScoringUnavailable`` where the server cannot say."""
+
+    def continuation_logprobs(self, request: GenerationRequest, continuations: list[str],
+                              max_tokens: int) -> list[list[float]]: ...  # fmt: skip
+
+
+@runtime_checkable
+class ServedAt(Protocol):
+    """A model behind an HTTP server: the server's base URL, the model's name there and the headers
+    every request carries (lm-evaluation-harness's API model evaluates it there)."""
+
+    def address(self) -> tuple[str, str | None, dict[str, str]]: ...
+
+
+@runtime_checkable
 class EvaluationModel(Protocol):
     """A transformers model of the variant as built (its load-time recipes applied) and its tokenizer,
     for lm-evaluation-harness's ``hf`` model (``metrics/lm_eval.py``)."""

@@ -10,11 +10,21 @@ requests in quadratic time, and at 400 queries/s against a no-op server here it 
 
 ``load()`` is a synchronous probe of ``/v1/models``: an unreachable endpoint or one that answers
 garbage fails there, before the run, with one clear line.
+
+Likelihood scores of a served variant (``continuation_logprobs``, ``metrics/likelihood.py``) are
+vLLM's way, which our server answers too: the prompt as the server sees the request from vLLM's
+``/tokenize`` (the messages through the server's chat template, or the plain prompt), each
+continuation tokenized alone, and one ``/v1/completions`` request with ``echo: true, logprobs: 1,
+max_tokens: 1`` over the token ids, whose ``token_logprobs`` after the prompt are the
+continuation's. Token ids and not text: text would be split again at the join, and a chat prompt
+has no text form outside the server. A server without ``/tokenize`` or one that refuses ``echo``
+(TGI, llama.cpp's server, hosted APIs) is reported as not available, never guessed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -24,7 +34,7 @@ import urllib.request
 import aiohttp
 
 from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
-from variantbench.errors import UserError
+from variantbench.errors import SampleNotScored, ScoringUnavailable, UserError
 
 APIS = ("completions", "chat")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -102,6 +112,9 @@ class OpenAIBackend:
         return LoadInfo(
             startup_s=(time.perf_counter_ns() - t0) / 1e9, param_bytes=0, details=dict(self._info)
         )
+
+    def address(self) -> tuple[str, str | None, dict[str, str]]:
+        return self.base_url, self.model, dict(self.headers)
 
     def info(self) -> dict[str, Any]:
         return dict(self._info) or {"backend": "openai-http", "endpoint": self.base_url}
@@ -217,6 +230,69 @@ class OpenAIBackend:
                 return list(await asyncio.gather(*(self.agenerate(r, client) for r in requests)))
 
         return asyncio.run(run())
+
+    # ---- likelihood scoring (ScoresServed) --------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One synchronous JSON request; ``ScoringUnavailable`` with the server's reason otherwise."""
+        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),
+                                         headers={**JSON_HEADERS, **self.headers}, method="POST")  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:  # noqa: S310 - user URL
+                answer = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read(2000).decode("utf-8", "replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                detail = json.loads(detail)["error"]["message"]
+            if exc.code == 400 and "maximum context length" in str(detail):  # OpenAI's and vLLM's words
+                raise SampleNotScored(" ".join(str(detail).split())[:200]) from None
+            raise ScoringUnavailable(
+                f"{path} answered HTTP {exc.code}: {' '.join(str(detail).split())[:200]}"
+            ) from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ScoringUnavailable(f"{path}: {getattr(exc, 'reason', exc)}") from None
+        if not isinstance(answer, dict):
+            raise ScoringUnavailable(f"{path} did not answer a JSON object")
+        return answer
+
+    def _tokens(self, body: dict[str, Any]) -> list[int]:
+        tokens = self._post("/tokenize", {"model": self.model, **body}).get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ScoringUnavailable("/tokenize did not answer a list of token ids")
+        return tokens
+
+    def continuation_logprobs(self, request: GenerationRequest, continuations: list[str],
+                              max_tokens: int) -> list[list[float]]:  # fmt: skip
+        """Each continuation's token log-probabilities after the request's prompt (module docstring)."""
+        if self.api == "chat" or request.messages:
+            messages = (
+                list(request.messages)
+                if request.messages
+                else [{"role": "user", "content": request.prompt or ""}]
+            )
+            prompt = self._tokens({"messages": messages, "add_generation_prompt": True})
+        else:
+            prompt = self._tokens({"prompt": request.prompt or "", "add_special_tokens": True})
+        conts = [self._tokens({"prompt": c, "add_special_tokens": False})[:max_tokens] for c in continuations]
+        body = {"model": self.model, "prompt": [prompt + c for c in conts], "echo": True, "logprobs": 1,
+                "max_tokens": 1, "temperature": 0}  # fmt: skip
+        choices = sorted(
+            self._post("/v1/completions", body).get("choices") or [], key=lambda c: c.get("index", 0)
+        )
+        if len(choices) != len(conts):
+            raise ScoringUnavailable(
+                f"/v1/completions answered {len(choices)} choices for {len(conts)} prompts"
+            )
+        out = []
+        for cont, choice in zip(conts, choices, strict=True):
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            scored = logprobs[len(prompt) : len(prompt) + len(cont)] if isinstance(logprobs, list) else []
+            if len(scored) != len(cont) or not all(isinstance(v, (int, float)) for v in scored):
+                raise ScoringUnavailable(
+                    "/v1/completions with echo did not return the prompt's token log-probabilities"
+                )
+            out.append([float(v) for v in scored])
+        return out
 
 
 _DONE = object()

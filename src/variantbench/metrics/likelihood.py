@@ -20,6 +20,11 @@ prompt (through the model's chat template, as the harness sends it) followed by 
 
 The standard runs first and leaves its part in a cache file keyed by the model, the samples and the
 token ids; the others read it in their own processes (as ``fidelity.py`` does for the held-out text).
+
+A served variant (``measure_served``) gets the reference's and the choices' log-likelihoods from its
+server (``echo`` + ``logprobs``, ``backends/openai_http.py``): the same numbers, with no fidelity (a
+server returns the scored token's log-probability, not the distribution a KL needs). A server that
+cannot score is reported as not available, with its reason, and the gate reads the other scores.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import hashlib
 import math
 from pathlib import Path
 from typing import Any
+
+from variantbench.errors import SampleNotScored
 
 TOP_K = 256
 MAX_CONTINUATION = 64  # reference tokens scored per sample (the answer's start carries its content)
@@ -63,37 +70,70 @@ def _sum_logprob(lp: Any, ids: list[int], start: int) -> float:
     return float(sum(lp[start + i, t].item() for i, t in enumerate(ids)))
 
 
+def _choice_scores(sample: Any, out: dict[str, Any], logprob: Callable[[str], float]) -> None:
+    """Accuracy and normalized accuracy by the choices' log-likelihoods (a label's lower-case and
+    capitalized forms together: a chat model answers "Positive" as often as "positive")."""
+    choices = choices_of(sample)
+    if not choices:
+        return
+    scores = [_logsumexp([logprob(form) for form in dict.fromkeys((c, c.capitalize()))]) for c in choices]
+    norm = [v / max(1, len(c.encode())) for v, c in zip(scores, choices, strict=True)]
+    target = sample.reference.strip().lower()
+    pick = choices[max(range(len(scores)), key=scores.__getitem__)]
+    pick_norm = choices[max(range(len(norm)), key=norm.__getitem__)]
+    out.update(choice_logprobs=dict(zip(choices, scores, strict=True)), choice=pick,
+               acc=float(pick.lower() == target), acc_norm=float(pick_norm.lower() == target))  # fmt: skip
+
+
+def _logsumexp(values: Sequence[float]) -> float:
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def _reference(out: dict[str, Any], logprobs: Sequence[float]) -> None:
+    if logprobs:
+        total = float(sum(logprobs))
+        out.update(ref_logprob=total, ref_tokens=len(logprobs), ref_logprob_per_token=total / len(logprobs))
+
+
 def score_sample(backend: Any, sample: Any, prompt: list[int]) -> tuple[dict[str, Any], Any]:
     """One sample's likelihood scores and the log-probs [positions, vocab] at its scored positions;
     ``prompt``: the sample's token ids as the harness sends them (the caller encodes the request)."""
-    import torch
-
     out: dict[str, Any] = {"sample_id": sample.sample_id, "task": sample.task}
     ref = _continuation(backend, sample.reference) if sample.reference else []
     lp = backend.token_log_probs(prompt + ref) if ref else backend.token_log_probs(prompt)
     start = len(prompt) - 1  # the row that predicts the first continuation token
-    if ref:
-        total = _sum_logprob(lp, ref, start)
-        out.update(ref_logprob=total, ref_tokens=len(ref), ref_logprob_per_token=total / len(ref))
-    positions = lp[start : start + max(1, len(ref))].float()
-    choices = choices_of(sample)
-    if choices:
-        scores = []
-        for choice in choices:  # a label's probability: its surface forms' together ("positive", "Positive")
-            forms = []
-            for form in dict.fromkeys((choice, choice.capitalize())):
-                ids = _continuation(backend, form)
-                forms.append(_sum_logprob(backend.token_log_probs(prompt + ids), ids, start))
-            scores.append(float(torch.logsumexp(torch.tensor(forms), 0)))
-        norm = [s / max(1, len(c.encode())) for s, c in zip(scores, choices, strict=True)]
-        target = sample.reference.strip().lower()
-        pick, pick_norm = (
-            choices[int(torch.tensor(scores).argmax())],
-            choices[int(torch.tensor(norm).argmax())],
-        )
-        out.update(choice_logprobs=dict(zip(choices, scores, strict=True)), choice=pick,
-                   acc=float(pick.lower() == target), acc_norm=float(pick_norm.lower() == target))  # fmt: skip
-    return out, positions
+    _reference(out, [float(lp[start + i, t]) for i, t in enumerate(ref)])
+
+    def logprob(text: str) -> float:
+        ids = _continuation(backend, text)
+        return _sum_logprob(backend.token_log_probs(prompt + ids), ids, start)
+
+    _choice_scores(sample, out, logprob)
+    return out, lp[start : start + max(1, len(ref))].float()
+
+
+def measure_served(
+    backend: Any, samples: Sequence[Any], request_of: Callable[[Any], Any]
+) -> list[dict[str, Any]]:
+    """Every sample's likelihood scores from a server (``ScoresServed``): the reference's and each
+    choice form's log-probabilities in one request a sample; a sample the server refuses (too long
+    for its context) is left out. Raises ``ScoringUnavailable``."""
+    rows = []
+    for sample in samples:
+        out: dict[str, Any] = {"sample_id": sample.sample_id, "task": sample.task}
+        forms = list(dict.fromkeys(f for c in choices_of(sample) for f in (c, c.capitalize())))
+        texts = list(dict.fromkeys(([sample.reference] if sample.reference else []) + forms))
+        if texts:
+            try:
+                scored = backend.continuation_logprobs(request_of(sample), texts, MAX_CONTINUATION)
+            except SampleNotScored:
+                continue
+            got = dict(zip(texts, scored, strict=True))
+            _reference(out, got.get(sample.reference, []) if sample.reference else [])
+            _choice_scores(sample, out, lambda text, got=got: float(sum(got[text])))
+        rows.append(out)
+    return rows
 
 
 def top_k(positions: Any) -> dict[str, Any]:

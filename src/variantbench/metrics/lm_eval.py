@@ -10,6 +10,12 @@ can read a local JSONL file (``dataset_path: json`` with ``data_files``), the fo
 machines with no dataset hub. Each task's metrics come back with lm-eval's standard errors, and
 with each document's scores (``log_samples``), so the report pairs them with the standard's by
 document like every other quality score (``quality_compare.py``).
+
+A served variant is evaluated through lm-eval's own ``local-completions`` model against its server:
+log-likelihoods from ``echo`` + ``logprobs`` on ``/v1/completions`` over token ids, the tokenizer
+the server's (vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, which our server also
+answers, ``serving/scoring.py``), one request at a time. A server without those endpoints is
+reported as not available, with lm-eval's reason, and the rest of the run stands.
 """
 
 from __future__ import annotations
@@ -32,16 +38,43 @@ PER_DOC_METRICS = ("acc", "acc_norm", "exact_match", "f1")
 
 
 def evaluate(model: Any, tokenizer: Any, spec: LmEvalSpec, device: str = "cpu") -> dict[str, Any]:
-    """lm-eval's scores of one loaded model: {"tasks": {task: {metric: value, metric_stderr: se}},
+    """lm-eval's scores of one loaded model (its ``hf`` model class)."""
+    from lm_eval.models.huggingface import HFLM
+
+    return _run(HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=1), spec)
+
+
+def evaluate_served(base_url: str, model: str, spec: LmEvalSpec, headers: dict[str, str] | None = None,
+                    timeout_s: float = 120.0) -> dict[str, Any]:  # fmt: skip
+    """lm-eval's scores of a served model (its ``local-completions`` model over the server's own
+    tokenizer endpoints), or ``{"unavailable": why}`` where the server cannot be evaluated so."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    headers = dict(headers or {})
+    bearer = headers.get("Authorization", "")
+    try:
+        # the tokenizer endpoints get the key (lm-eval's remote tokenizer sends no other header)
+        lm = LocalCompletionsAPI(base_url=f"{base_url.rstrip('/')}/v1/completions", model=model,
+                                 tokenizer_backend="remote", tokenized_requests=True, num_concurrent=1,
+                                 max_retries=1, timeout=int(timeout_s), header=headers or None,
+                                 auth_token=bearer.removeprefix("Bearer ") or None)  # fmt: skip
+        return _run(lm, spec)
+    except (RuntimeError, ValueError, KeyError, TypeError, OSError) as exc:
+        import lm_eval
+
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return {"tasks": {}, "docs": {}, "version": lm_eval.__version__, "unavailable": reason}
+
+
+def _run(lm: Any, spec: LmEvalSpec) -> dict[str, Any]:
+    """lm-eval's scores of one lm-eval model: {"tasks": {task: {metric: value, metric_stderr: se}},
     "docs": {task: [{"doc_id", metric: value}, ...]}, "version"}."""
     import lm_eval
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from variantbench.errors import UserError
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=1)
     manager = TaskManager(include_path=spec.include_path) if spec.include_path else TaskManager()
     unknown = [t for t in spec.tasks if t not in manager.all_tasks]
     if unknown:

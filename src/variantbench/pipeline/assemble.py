@@ -119,7 +119,9 @@ def summarize_payload(
     if payload.get("likelihood"):
         lk = payload["likelihood"]
         run.likelihood = Likelihood(
-            **lk["summary"], per_sample=[SampleLikelihood(**s) for s in lk["samples"]]
+            **lk["summary"],
+            per_sample=[SampleLikelihood(**s) for s in lk["samples"]],
+            unavailable=lk.get("unavailable"),
         )
         _accuracy_by_likelihood(run)
     if payload.get("lm_eval"):

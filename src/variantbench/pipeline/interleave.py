@@ -213,7 +213,9 @@ def _quality_look(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
     ids = list(dict.fromkeys(r.sample_id for r in std_records))
     for name in [standard, *(n for n in sessions if n != standard)]:
         try:
-            out.likelihood.setdefault(name, []).extend(sessions[name].call("likelihood", ids, on_event=on_event(name)))
+            out.likelihood.setdefault(name, []).extend(
+                sessions[name].call("likelihood", ids, on_event=on_event(name))
+            )
         except JobFailed as exc:
             out.failures[name] = str(exc)
             sessions.pop(name).close()

@@ -19,7 +19,10 @@ from variantbench.backends.base import (
     LogProbs,
     ReportsStatus,
     ScoresLikelihood,
+    ScoresServed,
+    ServedAt,
 )
+from variantbench.errors import ScoringUnavailable
 from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
 from variantbench.report.schema import Resources
@@ -88,6 +91,7 @@ class VariantSession:
         self.server_error: str | None = None
         self.server_histograms: dict[str, dict[str, float]] = {}  # latency buckets added in the blocks
         self.likelihood_rows: list[dict[str, Any]] = []  # per-sample likelihood scores, look by look
+        self.likelihood_unavailable: str | None = None  # a server that cannot score: why
         self.answered: list[str] = []  # sample ids this session's blocks asked, in order (no repeats)
         # where the variant's time went (s): what a user reads when a run takes longer than expected
         self.phases: dict[str, float] = {"load": round(self.load.startup_s, 3), "scenario": 0.0, "batch": 0.0}
@@ -176,10 +180,11 @@ class VariantSession:
                 self.phases["fidelity"] = time.perf_counter() - start
             self.likelihood(None, emit)
             likelihood = None
-            if self.likelihood_rows:
+            if self.likelihood_rows or self.likelihood_unavailable:
                 from variantbench.metrics.likelihood import summarize
 
-                likelihood = {"samples": self.likelihood_rows, "summary": summarize(self.likelihood_rows)}
+                likelihood = {"samples": self.likelihood_rows, "summary": summarize(self.likelihood_rows),
+                              "unavailable": self.likelihood_unavailable}  # fmt: skip
             lm_eval = None
             if job.lm_eval is not None and isinstance(backend, EvaluationModel):
                 from variantbench.metrics.lm_eval import evaluate
@@ -189,6 +194,14 @@ class VariantSession:
                 model, tokenizer = backend.evaluation_model()
                 lm_eval = evaluate(model, tokenizer, job.lm_eval, device=job.device)
                 del model
+                self.phases["lm_eval"] = time.perf_counter() - start
+            elif job.lm_eval is not None and isinstance(backend, ServedAt):
+                from variantbench.metrics.lm_eval import evaluate_served
+
+                emit(("status", f"lm-evaluation-harness on the server: {', '.join(job.lm_eval.tasks)}"))
+                start = time.perf_counter()
+                url, model_name, headers = backend.address()
+                lm_eval = evaluate_served(url, model_name or "", job.lm_eval, headers=headers)
                 self.phases["lm_eval"] = time.perf_counter() - start
             diagnosis = None
             if job.diagnose and job.endpoint is None:
@@ -214,9 +227,15 @@ class VariantSession:
     def likelihood(self, sample_ids: list[str] | None, emit: Emit) -> list[dict[str, Any]]:
         """Likelihood scores of the given samples (None: every sample the blocks asked) not scored yet;
         kept for the payload and returned. An interleaved run calls it at each look, the standard
-        first (its distributions are what the others' KL reads), so quality joins the looks."""
+        first (its distributions are what the others' KL reads), so quality joins the looks. A served
+        variant's come from its server, or are not available with the server's reason (kept once)."""
         job, backend = self.job, self.backend
-        if job.likelihood is None or not isinstance(backend, ScoresLikelihood):
+        served = isinstance(backend, ScoresServed)
+        if (
+            job.likelihood is None
+            or self.likelihood_unavailable
+            or not (served or isinstance(backend, ScoresLikelihood))
+        ):
             return []
         from variantbench.metrics import likelihood as lk
 
@@ -228,8 +247,16 @@ class VariantSession:
             return []
         emit(("status", f"likelihood scores on {len(samples)} of the workload's samples"))
         start = time.perf_counter()
-        got = lk.measure(backend, samples, job.likelihood, job.is_standard,
-                         prompt_of=lambda s: list(backend.encode(prompt_request(s))))["samples"]  # fmt: skip
+        if served:
+            try:
+                got = lk.measure_served(backend, samples, prompt_request)
+            except ScoringUnavailable as exc:
+                self.likelihood_unavailable = str(exc)
+                emit(("status", f"likelihood scores not available: {exc}"))
+                got = []
+        else:
+            got = lk.measure(backend, samples, job.likelihood, job.is_standard,
+                             prompt_of=lambda s: list(backend.encode(prompt_request(s))))["samples"]  # fmt: skip
         self.phases["likelihood"] = self.phases.get("likelihood", 0.0) + time.perf_counter() - start
         self.likelihood_rows += got
         return got

@@ -245,12 +245,12 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
         fidelity = FidelitySpec(text_path=str(text) if text else None, cache_dir=str(cache_root() / "fidelity"),
                                 model_key=base_dir)  # fmt: skip
     likelihood = None
-    if plan.quality.likelihood and not endpoints:
+    if plan.quality.likelihood:  # a served variant's from its server (echo + logprobs), where it can
         from variantbench.metrics.likelihood import LikelihoodSpec
 
         likelihood = LikelihoodSpec(cache_dir=str(cache_root() / "likelihood"), model_key=base_dir)
     lm_eval = None
-    if plan.quality.lm_eval is not None and plan.quality.lm_eval.tasks and not endpoints:
+    if plan.quality.lm_eval is not None and plan.quality.lm_eval.tasks:  # a served variant's on its server
         from variantbench.metrics.lm_eval import LmEvalSpec
 
         le = plan.quality.lm_eval
@@ -609,8 +609,11 @@ def build_workload(plan: Plan, model_dir: str, say: Callable[[str], None], check
         samples = tuple(replace(s, input_tokens=counter(s.prompt)) for s in checked.samples)
         return replace(checked, samples=samples, info={**checked.info, "counted_with": tokenizer_dir})
     passes = passes or workload_passes(plan)
-    say(f"building the synthetic workload: {plan.load.tasks} samples"
-        + (f" a pass, {passes} passes (one a look)" if passes > 1 else "") + f", {w.input_lengths} input tokens")
+    say(
+        f"building the synthetic workload: {plan.load.tasks} samples"
+        + (f" a pass, {passes} passes (one a look)" if passes > 1 else "")
+        + f", {w.input_lengths} input tokens"
+    )
     return build_synthetic(
         plan.load.tasks,
         plan.seeds.workload,

@@ -108,11 +108,13 @@ def _quality_gates(report: Report) -> list[str]:
     flags = [
         f"- {task}: {why}: its scores carry no information"
         for task, why in report.uninformative_tasks.items()
-    ]
+    ] + [f"- {r.variant}: likelihood scores not available ({r.likelihood.unavailable})"
+         for r in report.runs if r.likelihood and r.likelihood.unavailable]  # fmt: skip
     if not rows and not flags:
         return []
     lines = ["## Quality against the standard (paired by sample)", "", *flags, *([""] if flags else []),
-             "Each score on the samples both answered; BCa 95% intervals. A ratio's gate: *meets* when the "
+             "Each score on the samples both answered; BCa intervals (95%, or 1 - alpha/looks where the run "
+             "looked more than once). A ratio's gate: *meets* when the "
              "interval clears the floor, *fails* below it, *undecided* across it; fidelity (KL on the samples' "
              "own positions) below its tie level decides a tie first.", ""]  # fmt: skip
     return lines + _table(["variant", "score", "value [95% CI]", "samples", "floor", "state"], rows) + [""]
@@ -126,6 +128,8 @@ def _lm_eval(report: Report) -> list[str]:
             shown = [f"{m} {v:.3f} ± {metrics.get(m + '_stderr') or 0:.3f}" for m, v in metrics.items()
                      if not m.endswith("_stderr") and v is not None]  # fmt: skip
             rows.append([r.variant, task, "; ".join(shown)])
+        if r.lm_eval and r.lm_eval.unavailable:
+            rows.append([r.variant, "-", f"not available: {r.lm_eval.unavailable}"])
     if not rows:
         return []
     version = next((r.lm_eval.version for r in report.runs if r.lm_eval), None)

@@ -124,6 +124,7 @@ class Likelihood(_Model):
     kl_mean: float | None = None  # on the samples' own positions (the held-out text's is quality.kl_mean)
     top1_agreement: float | None = None
     per_sample: list[SampleLikelihood] = Field(default_factory=list)
+    unavailable: str | None = None  # a served variant whose server cannot score text: why
 
 
 class LmEvalReport(_Model):
@@ -133,6 +134,7 @@ class LmEvalReport(_Model):
     version: str | None = None
     tasks: dict[str, dict[str, float | None]] = Field(default_factory=dict)
     docs: dict[str, list[dict[str, float]]] = Field(default_factory=dict)
+    unavailable: str | None = None  # a served variant whose server lm-eval cannot evaluate: why
 
 
 class TaskReport(_Model):

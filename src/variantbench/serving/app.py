@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: starlette routes over one ``BatchWorker`` per variant.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as SSE ending in
-``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``/health`` and Prometheus ``/metrics``.
+``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``/health`` and Prometheus ``/metrics``;
+prompt scoring (``echo`` + ``logprobs`` on ``/v1/completions``) and vLLM's ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info`` (``serving/scoring.py``).
 The ``model`` field picks a variant, or the tiered router by its name. Beyond OpenAI's fields a
 request may carry ``priority`` (integer, lower first, vLLM's field), ``deadline_ms`` (from
 arrival; a request that cannot meet it is refused at once with 503 rather than served late) and
@@ -46,9 +48,11 @@ from starlette.routing import Route
 from variantbench.backends.base import GenerationRequest, encode_request
 from variantbench.serving.batching import KvMemory
 from variantbench.serving.scheduler import Rejected
+from variantbench.serving.scoring import is_token_ids
 from variantbench.serving.worker import BatchWorker
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # scoring's top log-probabilities per position (vLLM's cap; OpenAI's is 5)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # OpenAI's chat default is "until the context ends"; we cap it
 # fields we do not implement, and the values that ask for nothing (clients often send those)
@@ -278,11 +282,7 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any, chat: bool) -> list[int]:
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt")
         return list(tokenizer(prompt)["input_ids"])
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, list) and prompt and is_token_ids(prompt):
         vocab = len(tokenizer)
         if any(t < 0 or t >= vocab for t in prompt):
             raise ApiError(400, f"'prompt' token ids must lie in [0, {vocab})", "prompt")
@@ -450,7 +450,128 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
+        raw = await request.body()  # starlette keeps it: _parse reads it again
+        if b'"echo"' in raw:
+            with contextlib.suppress(ValueError):
+                body = json.loads(raw)
+                if isinstance(body, dict) and body.get("echo") is True:
+                    return await self._score(body)
         return await self._generate(request, chat=False)
+
+    async def _score(self, body: dict[str, Any]) -> Response:
+        """Prompt scoring: each prompt token's log-probability, computed on the variant's worker."""
+        from variantbench.backends.base import LogProbs
+        from variantbench.serving.scoring import ScoringError, logprobs_object, prompts_of, score
+
+        label = "-"
+        try:
+            target = self._model(body.get("model"))
+            if target is None:
+                raise ApiError(400, "scoring needs a variant, not the router", "model")
+            label = target.name
+            if _flag(body, "stream"):
+                raise ApiError(400, "'echo' scoring is not streamed: send 'stream': false", "stream")
+            _int(body, "n", 1, 1, 1)
+            top = _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+            new = _int(body, "max_tokens", 0, 0, None) or 0
+            if new > 1:
+                raise ApiError(400, "'echo' scores the prompt and at most one next token: 'max_tokens' must be "
+                               f"0 or 1, got {new}", "max_tokens")  # fmt: skip
+            if not isinstance(target.backend, LogProbs):
+                raise ApiError(400, f"the variant {target.name} cannot score prompts (its backend gives no "
+                               "log-probabilities)", "echo")  # fmt: skip
+            try:
+                prompts, texts = await asyncio.to_thread(prompts_of, body, target.tokenizer)
+            except ScoringError as exc:
+                raise ApiError(400, str(exc), exc.param) from None
+            longest = max(len(p) for p in prompts)
+            if longest + new > target.max_len:
+                raise ApiError(400, f"This model's maximum context length is {target.max_len} tokens; a prompt "
+                               f"of {longest} tokens was given", "prompt", "context_length_exceeded")  # fmt: skip
+
+            def run() -> list[dict[str, Any]]:
+                return [score(target.backend, ids, top, bool(new)) for ids in prompts]
+
+            try:
+                scored = await asyncio.wrap_future(target.worker.call_between_steps(run))
+            except RuntimeError as exc:
+                raise ApiError(503, str(exc), None, "server_overloaded", "server_error", 1.0) from None
+        except ApiError as exc:
+            self.metrics.requests.labels(label, "completions", str(exc.status)).inc()
+            return exc.response()
+        choices = []
+        for i, (one, text) in enumerate(zip(scored, texts, strict=True)):
+            full, logprobs = logprobs_object(target.tokenizer, one, text)
+            choices.append({"index": i, "text": full, "logprobs": logprobs, "finish_reason": "length"})
+        prompt_tokens = sum(len(p) for p in prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": new * len(prompts),
+                 "total_tokens": prompt_tokens + new * len(prompts)}  # fmt: skip
+        self.metrics.requests.labels(label, "completions", "200").inc()
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                             "created": int(time.time()), "model": target.name, "choices": choices, "usage": usage},
+                            headers={"x-variantbench-model": target.name})  # fmt: skip
+
+    def _tokenizer_of(self, name: Any) -> ServedModel:
+        """The variant a tokenizer request names (the router: its light variant), else the first."""
+        if name is None:
+            return next(iter(self.models.values()))
+        target = self._model(name)
+        return target if target is not None else self.models[self.router.light]  # None: name is the router's
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...]}``."""
+        try:
+            body = await self._json(request)
+            target = self._tokenizer_of(body.get("model"))
+            if "messages" in body:
+                ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, True)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string", "prompt")
+                special = body.get("add_special_tokens", True)
+                if not isinstance(special, bool):
+                    raise ApiError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+                encoded = await asyncio.to_thread(target.tokenizer, prompt, add_special_tokens=special)
+                ids = list(encoded["input_ids"])
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"count": len(ids), "max_model_len": target.max_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        try:
+            body = await self._json(request)
+            target = self._tokenizer_of(body.get("model"))
+            tokens = body.get("tokens")
+            vocab = len(target.tokenizer)
+            if (
+                not isinstance(tokens, list)
+                or not is_token_ids(tokens)
+                or any(t < 0 or t >= vocab for t in tokens)
+            ):
+                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse({"prompt": target.tokenizer.decode(tokens)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        from variantbench.serving.scoring import tokenizer_info
+
+        try:
+            target = self._tokenizer_of(request.query_params.get("model"))
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse(tokenizer_info(target.tokenizer, target.max_len))
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -675,6 +796,9 @@ def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s
             Route("/metrics", server.prometheus, methods=["GET"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/tokenize", server.tokenize, methods=["POST"]),
+            Route("/detokenize", server.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_allowed},

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 import threading
 import time
@@ -119,6 +121,8 @@ class BatchWorker:
         if isinstance(batch, ChunkedPrefill):
             self.scheduler.prefill_chunk = batch.prefill_chunk
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+        # work for the model outside the batch (scoring a prompt), run on this thread between steps
+        self._side: deque[tuple[Callable[[], Any], Future]] = deque()
 
     def start(self) -> BatchWorker:
         self._thread.start()
@@ -215,6 +219,31 @@ class BatchWorker:
     def queue_depth(self) -> int:
         return len(self.scheduler)
 
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on this worker's thread before its next step; its result (or exception) in the
+        future. The model is the thread's: a forward from another thread would compete with the
+        batch's steps for the same cores and weights, and a scoring request waits one step at most."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping or self._draining:
+                future.set_exception(RuntimeError("the server is stopping"))
+                return future
+            self._side.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def _run_side(self) -> None:
+        while True:
+            with self._cond:
+                if not self._side:
+                    return
+                fn, future = self._side.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - the caller's error, not the worker's
+                    future.set_exception(exc)
+
     def drain_and_stop(self, timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish the admitted ones, stop the thread."""
         self._draining = True
@@ -269,7 +298,9 @@ class BatchWorker:
     def _take(self) -> tuple[list[Ticket], list[tuple[Ticket, str]], list[Any]] | None:
         """Under the lock: wait for work; then (tickets to admit, expired, cancelled keys), or None to stop."""
         with self._cond:
-            while not self._stopping and self.batch.active == 0 and not len(self.scheduler):
+            while (
+                not self._stopping and self.batch.active == 0 and not len(self.scheduler) and not self._side
+            ):
                 self._cond.wait()
             if self._stopping:
                 return None
@@ -410,11 +441,16 @@ class BatchWorker:
         held = False
         while True:
             self._flush()  # before _take, which may wait
+            self._run_side()
             work = self._take()
             if work is None:
                 for key in list(self._live):
                     self._finish(key, ("error", 503, "the server stopped"))
                 self._flush()
+                with self._cond:
+                    side, self._side = list(self._side), deque()
+                for _, future in side:
+                    future.set_exception(RuntimeError("the server stopped"))
                 return
             tickets, expired, cancelled = work
             for key in cancelled:
