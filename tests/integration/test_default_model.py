@@ -7,11 +7,9 @@ the GGUF once into the cache; later runs reuse it.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-import subprocess
-import sys
 
+from cli_run import run_report
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -19,16 +17,11 @@ pytestmark = pytest.mark.slow
 
 def test_default_model_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "variantbench", "run", "--variants", "fp32,int8", "--tasks", "3",
-         "--warmup", "1", "--max-new-tokens", "12", "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2",
-         "--looks", "2", "--no-cold-start", "--no-isolate", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
+    runs = run_report(["--variants", "fp32,int8", "--tasks", "3", "--warmup", "1", "--max-new-tokens", "12",
+                       "--input-lengths", "uniform:128-640", "--mix", "qa=1,summarization=2", "--looks", "2",
+                       "--no-cold-start", "--no-isolate"], out)  # fmt: skip
+    report = runs[""]
     assert report["model"]["name"] == "smollm2-135m"
-    runs = {r["variant"]: r for r in report["runs"]}
     fp32, int8 = runs["fp32"], runs["int8"]
     # 134.5M parameters, tied embeddings counted once
     assert 530e6 < fp32["resources"]["param_bytes"] < 545e6

@@ -10,11 +10,9 @@ family and says that prompts were plain completions (the GGUF carries no chat te
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-import subprocess
-import sys
 
+from cli_run import run_report
 import pytest
 import torch
 
@@ -46,15 +44,10 @@ def test_gemma3_270m_decodes_as_transformers_and_runs_end_to_end(tmp_path: Path)
     del model, decoder
 
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "variantbench", "run", "--model", "gemma3-270m", "--variants", "fp32,bf16",
-         "--tasks", "2", "--warmup", "1", "--max-new-tokens", "8", "--input-lengths", "uniform:64-160",
-         "--looks", "1", "--no-cold-start", "--no-isolate", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
-    runs = {r["variant"]: r for r in report["runs"]}
+    runs = run_report(["--model", "gemma3-270m", "--variants", "fp32,bf16", "--tasks", "2", "--warmup", "1",
+                       "--max-new-tokens", "8", "--input-lengths", "uniform:64-160", "--looks", "1",
+                       "--no-cold-start", "--no-isolate"], out)  # fmt: skip
+    runs.pop("")  # the whole report
     for run in runs.values():
         assert run["status"] == "ok" and run["queries"]["errors"] == 0
         assert run["backend"]["family"] == "gemma3" and run["backend"]["backend"] == "torch"
