@@ -112,6 +112,32 @@ def test_a_fidelity_interval_below_the_tie_level_is_a_tie_whatever_the_text_says
     assert qc.gate_state(qc.compare("int8", cut, far, "fp32", std, None, floor=0.95))[0] == "fails"
 
 
+def test_a_fidelity_interval_above_the_damage_level_fails_whatever_the_text_says() -> None:
+    """Plain int8 on the 12-question file: KL 1.56 [1.07, 2.63], its composite undecided. Above the
+    damage level the gate fails at every floor, the recommendation says why; an interval across it
+    leaves the gate to the composite."""
+    std, same = _answers([99] * 12)
+    damaged = Likelihood(
+        per_sample=[SampleLikelihood(sample_id=f"s{i}", kl=1.0 + 0.1 * i) for i in range(12)]
+    )
+    comparisons = qc.compare("int8", same, damaged, "fp32", std, None, floor=0.95)
+    state, why = qc.gate_state(comparisons)
+    assert state == "fails" and why.startswith("fidelity") and qc.decided_at(comparisons, (0.9, 0.95, 0.99))
+    base = summarize_run("fp32", std, Resources(), scenario="offline")
+    run = summarize_run("int8", same, Resources(), scenario="offline")
+    run.quality_vs_standard = compare_to_standard(run, same, base, std, threshold=0.95, likelihood=damaged)
+    base.quality_vs_standard = compare_to_standard(base, std, base, std)
+    assert run.quality_vs_standard.gate == "FAIL"
+    verdict = recommend([base, run], "fp32", Profile(name="q", quality_floor=0.90))
+    assert verdict["variant"] == "fp32"
+    assert "above the damage level 0.5" in verdict["reasons"]["int8"], verdict["reasons"]
+    # across the damage level (drop-layers:2 measured 0.49 [0.25, 1.34]): the composite decides
+    across = Likelihood(
+        per_sample=[SampleLikelihood(sample_id=f"s{i}", kl=0.1 + 0.15 * (i % 7)) for i in range(12)]
+    )
+    assert qc.gate_state(qc.compare("int8", same, across, "fp32", std, None, floor=0.95))[0] == "meets"
+
+
 def test_the_top_k_kl_is_zero_against_itself_and_a_lower_bound_of_the_full_kl() -> None:
     import torch
 

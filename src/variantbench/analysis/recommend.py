@@ -128,6 +128,11 @@ def quality_fails(vs: Any, floor: float) -> list[str]:
         return ["no quality measured against the standard"]
     if vs.state == "tied":
         return []
+    damaged = next((c for c in vs.comparisons if c.metric == "fidelity" and c.state == "fails"), None)
+    if damaged is not None:
+        return [f"quality below the floor {floor:.0%}: KL(standard || variant) {damaged.value:.3g} "
+                f"[{damaged.ci_low:.3g}, {damaged.ci_high:.3g}] nats on {damaged.pairs} samples, above the "
+                f"damage level {damaged.damage:g}"]  # fmt: skip
     deciding = next((c for c in vs.comparisons if c.state is not None and c.metric != "fidelity"), None)
     if deciding is None:
         if vs.ratio is None:

@@ -99,7 +99,13 @@ def _quality_gates(report: Report) -> list[str]:
             floor = (
                 "-"
                 if c.floor is None
-                else (f"KL < {c.floor:g}" if c.metric == "fidelity" else f"{c.floor:.1%}")
+                else (
+                    f"tie < {c.floor:g}, fail > {c.damage:g} nats"
+                    if c.metric == "fidelity" and c.damage
+                    else f"KL < {c.floor:g}"
+                    if c.metric == "fidelity"
+                    else f"{c.floor:.1%}"
+                )  # fmt: skip
             )
             state = c.state or "(evidence)"
             if c.more_samples:
@@ -116,7 +122,7 @@ def _quality_gates(report: Report) -> list[str]:
              "Each score on the samples both answered; BCa intervals (95%, or 1 - alpha/looks where the run "
              "looked more than once). A ratio's gate: *meets* when the "
              "interval clears the floor, *fails* below it, *undecided* across it; fidelity (KL on the samples' "
-             "own positions) below its tie level decides a tie first.", ""]  # fmt: skip
+             "own positions) decides first: a tie below its tie level, a fail above its damage level.", ""]  # fmt: skip
     return lines + _table(["variant", "score", "value [95% CI]", "samples", "floor", "state"], rows) + [""]
 
 

@@ -76,6 +76,7 @@ class QualityComparisonReport(_Model):
     floor: float | None = None
     state: str | None = None  # "meets" | "fails" | "undecided" | "tied"; None: evidence only
     more_samples: int | None = None
+    damage: float | None = None  # fidelity: the KL above which the variant fails (floor: the tie level)
 
 
 class QualityVsStandard(_Model):
