@@ -230,6 +230,7 @@ def test_compiled_decode_step_gives_the_same_tokens(tiny_model_dir: Path) -> Non
     assert counters["stats"]["unique_graphs"] == graphs  # loading compiled every graph a run needs
 
 
+@pytest.mark.slow  # 31 s of Inductor's code generation; the compiled step's tokens are proved with aot_eager above
 def test_the_default_compile_variant_loads_and_decodes_batches(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -257,6 +257,7 @@ def test_senders_default_to_the_cores_or_half_beside_a_local_server() -> None:
     )
 
 
+@pytest.mark.slow  # 16 s: a whole run; lm-eval over a server is proved by tests/test_scoring.py
 def test_a_served_variant_gets_lm_eval_on_its_server_in_a_run(two_servers: tuple[str, str], tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """quality.lm_eval on a served variant: lm-eval's API model against the variant's server, in the

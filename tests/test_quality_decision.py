@@ -263,6 +263,7 @@ def direct_accuracies(tok, log_probs) -> list[float]:  # noqa: ANN001
     return out
 
 
+@pytest.mark.slow  # 58 s: a whole run with lm-eval; its scoring is proved by the custom-task test beside
 def test_a_run_puts_lm_evals_scores_beside_ours_and_pairs_them_by_document(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
     import json
     import os
