@@ -169,7 +169,18 @@ def test_choices_are_scored_by_their_log_probability_as_a_direct_forward_compute
         sample = Sample("c1", "classification", "Is this letter positive or negative? The bridge is lovely.",
                         "positive", 4)  # fmt: skip
         prompt = backend.encode(GenerationRequest("x", prompt=sample.prompt, max_new_tokens=1))
+        forwards: list[int] = []
+        real = backend.token_log_probs
+        backend.token_log_probs = lambda ids: forwards.append(len(ids)) or real(ids)  # count the prefills
         scores, positions = score_sample(backend, sample, prompt)
+        # a form whose every token but the last follows the prompt in a forward already run is read
+        # off it (the reference's "positive"): one prefill for it, one for each other form
+        reusable = {
+            f
+            for f in ("positive", "Positive", "negative", "Negative")
+            if backend.tokenize(f)[:-1] == backend.tokenize("positive")[: len(backend.tokenize(f)) - 1]
+        }
+        assert len(forwards) <= 1 + 4 - len(reusable) and "positive" in reusable, (forwards, reusable)
         for choice in ("positive", "negative"):  # the label's two surface forms together
             forms = []
             for form in (choice, choice.capitalize()):
