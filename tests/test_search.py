@@ -114,6 +114,7 @@ finish: [fp32, bf16, int8]
 """
 
 
+@pytest.mark.slow  # 33 s: a whole search with its resume; the default pytest was at 9m48 of its 10
 def test_a_search_on_the_tiny_model_finds_a_non_dominated_front_and_resumes(
     tmp_path: Path, tiny_model_dir: Path, browser  # noqa: ANN001
 ) -> None:  # fmt: skip
