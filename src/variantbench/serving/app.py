@@ -48,7 +48,7 @@ from starlette.routing import Route
 from variantbench.backends.base import GenerationRequest, encode_request
 from variantbench.serving.batching import KvMemory
 from variantbench.serving.scheduler import Rejected
-from variantbench.serving.scoring import is_token_ids
+from variantbench.serving.scoring import is_token_ids, outside_vocab
 from variantbench.serving.worker import BatchWorker
 
 MAX_STOP_STRINGS = 4
@@ -283,9 +283,8 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any, chat: bool) -> list[int]:
             raise ApiError(400, "'prompt' is empty", "prompt")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and is_token_ids(prompt):
-        vocab = len(tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ApiError(400, f"'prompt' token ids must lie in [0, {vocab})", "prompt")
+        if why := outside_vocab(prompt, len(tokenizer)):
+            raise ApiError(400, f"'prompt' {why}", "prompt")
         return list(prompt)
     raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
 
@@ -553,13 +552,10 @@ class Server:
             body = await self._json(request)
             target = self._tokenizer_of(body.get("model"))
             tokens = body.get("tokens")
-            vocab = len(target.tokenizer)
-            if (
-                not isinstance(tokens, list)
-                or not is_token_ids(tokens)
-                or any(t < 0 or t >= vocab for t in tokens)
-            ):
-                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+            if not isinstance(tokens, list) or not is_token_ids(tokens):
+                raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+            if why := outside_vocab(tokens, len(target.tokenizer)):
+                raise ApiError(400, f"'tokens' {why}", "tokens")
         except ApiError as exc:
             return exc.response()
         return JSONResponse({"prompt": target.tokenizer.decode(tokens)})

@@ -46,8 +46,8 @@ def prompts_of(body: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], l
             ids.append(list(tokenizer(item)["input_ids"]))
             texts.append(item)
         elif isinstance(item, list) and item and is_token_ids(item):
-            if any(t < 0 or t >= vocab for t in item):
-                raise ScoringError(f"'prompt' token ids must lie in [0, {vocab})", "prompt")
+            if why := outside_vocab(item, vocab):
+                raise ScoringError(f"'prompt' {why}", "prompt")
             ids.append(list(item))
             texts.append(None)
         else:
@@ -60,6 +60,12 @@ def prompts_of(body: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], l
 def is_token_ids(value: list[Any]) -> bool:
     """A list of token ids (ints, not bools): a prompt given as tokens."""
     return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def outside_vocab(ids: list[int], vocab: int) -> str | None:
+    """Why token ids cannot be read by a tokenizer of ``vocab`` tokens (the message a 400 carries), or
+    None: what a prompt given as ids, a scoring prompt and ``/detokenize`` all check."""
+    return None if all(0 <= t < vocab for t in ids) else f"token ids must lie in [0, {vocab})"
 
 
 def score(backend: Any, ids: list[int], top: int, next_token: bool) -> dict[str, Any]:
