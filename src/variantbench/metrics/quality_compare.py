@@ -29,8 +29,8 @@ positions and kept 0.20 [0.09, 0.55] of the gold answers' per-token likelihood, 
 read 0.50 [-0.19, 1.13] of fp32's: undecided at every floor; ``prune-heads:0.25``, KL 1.44, kept
 0.10. The variants that kept their quality sat two orders of magnitude lower: ``int8-wo`` 0.003
 (likelihood 1.00), ``smooth+int8:act=token`` 0.043 (0.90, composite 1.02). ``drop-layers:2``,
-0.49 [0.25, 1.34] (likelihood 0.72), is left to its composite. 0.5 nats, a mean top-1 agreement
-near 60% on held-out text, is a distribution no compression of the same model reaches unharmed.
+0.49 [0.25, 1.34] (likelihood 0.72), is left to its composite: 0.5 nats lies between the two
+groups, and only an interval wholly above it fails.
 """
 
 from __future__ import annotations
