@@ -12,7 +12,15 @@ import pytest
 from variantbench.analysis.cost import CostModel, derive
 from variantbench.analysis.recommend import PROFILES, Profile, recommend
 from variantbench.metrics import significance as sig
-from variantbench.report.schema import AB, Cost, QualityVsStandard, Ratio, Resources, RunReport
+from variantbench.report.schema import (
+    AB,
+    BatchThroughput,
+    Cost,
+    QualityVsStandard,
+    Ratio,
+    Resources,
+    RunReport,
+)
 from variantbench.trackers.resources import ResourceTracker, rapl_domains, window_resources
 
 # ---- trackers ------------------------------------------------------------------------------------
@@ -129,7 +137,9 @@ def _run(name: str, p99: float, rss_gb: float, quality: float, tok_s: float, pri
         value, lo, hi = p99_ratio
         run.ab_vs_standard = AB(standard="fp32", latency_p99_ratio=Ratio(value=value, ci_low=lo, ci_high=hi))
     if batch is not None:
-        run.batch_throughput = {"tokens_per_s": sum(batch) / len(batch), "values": batch}
+        run.batch_throughput = BatchThroughput(
+            batch=8, new_tokens=16, tokens_per_s=sum(batch) / len(batch), values=batch
+        )
     return run
 
 

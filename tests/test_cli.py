@@ -98,7 +98,7 @@ def test_run_on_tiny_model_writes_report_and_log(tmp_path: Path, tiny_model_dir:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "variantbench" in proc.stdout and "int8" in proc.stdout and "1.00x" in proc.stdout
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == SCHEMA_VERSION == "1.4"
+    assert report["schema_version"] == SCHEMA_VERSION == "1.5"
     # the standard runs first whatever the order given: the others are compared with it
     assert [r["variant"] for r in report["runs"]] == ["fp32", "int8"]
     assert report["workload"]["tasks"] == {"qa": 2, "classification": 2}

@@ -190,8 +190,11 @@ def test_no_interleave_is_said_in_the_report(
 ) -> None:
     report = _run_plan(tmp_path, tiny_model_dir, monkeypatch, execution={"interleave": False},
                        load={"tasks": 4})  # fmt: skip
-    assert report["execution"] == {"interleaved": False, "why_not": "execution.interleave is off",
-                                   "executor": "inline"}  # fmt: skip
+    ex = report["execution"]
+    assert ex == {"interleaved": False, "why_not": "execution.interleave is off", "executor": "inline",
+                  "nodes": None, "run_id": ex["run_id"], "repeats": []}  # fmt: skip
+    assert {q["run_id"] for q in map(json.loads, (tmp_path / "out" / "queries.jsonl").read_text().splitlines())} == {
+        ex["run_id"]}  # fmt: skip
     queries = [json.loads(x) for x in (tmp_path / "out" / "queries.jsonl").read_text().splitlines()]
     assert [q["variant"] for q in queries] == ["fp32"] * 4 + ["bf16"] * 4  # one block each, in order
     md = (tmp_path / "out" / "report.md").read_text()

@@ -80,17 +80,41 @@ def _replay_folder(plan_file: Path | None, plan: Plan, args: RunArgs) -> Path | 
     return Path(f"{out}-replay-{n}")
 
 
+def _take_resume(tokens: list[str]) -> tuple[list[str], Path | None]:
+    """``--resume DIR`` (the whole command line: the plan is the folder's own)."""
+    for i, token in enumerate(tokens):
+        name, eq, inline = token.partition("=")
+        if name != "--resume":
+            continue
+        folder = inline if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+        rest = tokens[:i] + tokens[i + (1 if eq else 2) :]
+        if not folder:
+            raise UserError("--resume takes the folder of the run to continue")
+        if rest:
+            raise UserError(f"--resume continues the run as its plan.yaml says: drop {' '.join(rest)}")
+        return [], Path(folder)
+    return tokens, None
+
+
 @app.command(context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG, rich_help_panel=None)
 def run(ctx: typer.Context) -> None:
     """Build the variants, measure them side by side, print the comparison and write the report.
 
     variantbench run [PLAN.yaml] [--set key.path=value ...] [--variants fp32,int8] [--tasks N] [--out DIR] ...
+    variantbench run --resume DIR   continues a run that was killed or failed halfway
     """
-    from variantbench.pipeline.run import execute
+    from variantbench.pipeline.run import execute, resume_run
 
     console = Console(stderr=True)
     try:
-        plan, args = _resolve_plan(list(ctx.args))
+        tokens, folder = _take_resume(list(ctx.args))
+        if folder is not None:
+            from variantbench.plan import Plan
+
+            report = resume_run(folder, console)
+            render_run(report, Plan.model_validate(report.plan), console)
+            return
+        plan, args = _resolve_plan(tokens)
         replay = _replay_folder(args.plan_file, plan, args)
         if replay is not None:
             console.print(
@@ -248,6 +272,10 @@ def report(
         _fail(str(exc))
         return
     show_decision(Console(), rebuilt, (rebuilt.plan.get("decision") or {}).get("profile"))
+    stopped = rebuilt.stopped()
+    if stopped:
+        Console(stderr=True).print("[yellow]the run did not finish (variantbench run --resume "
+                                   f"{folder} goes on):[/yellow]\n  " + "\n  ".join(stopped), soft_wrap=True)  # fmt: skip
     Console(stderr=True).print(
         f"wrote {folder / 'report.html'}, {folder / 'report.json'}, {folder / 'report.md'} and "
         f"{folder / 'report.csv'}"

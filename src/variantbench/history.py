@@ -30,7 +30,7 @@ from variantbench import __version__
 from variantbench.errors import UserError
 from variantbench.paths import cache_root
 from variantbench.records import QueryRecord
-from variantbench.report.schema import Report, RunReport
+from variantbench.report.schema import BatchThroughput, Report, RunReport
 
 SCHEMA_VERSION = 1
 MIGRATIONS: dict[int, str] = {
@@ -107,7 +107,7 @@ def headline(run: RunReport, records: list[QueryRecord]) -> dict[str, dict[str, 
     tput = sig.rate_interval([r.output_tokens for r in ok], [r.latency_ms / 1e3 for r in ok])
     cost = run.cost
     cost_ci = (cost.per_million_output_tokens_ci if cost else None) or [None, None]
-    batch = run.batch_throughput or {}
+    batch = run.batch_throughput or BatchThroughput(batch=0, new_tokens=0)
 
     def plain(value: float | None) -> dict[str, float | None]:
         return {"value": value, "ci_low": None, "ci_high": None}
@@ -120,9 +120,9 @@ def headline(run: RunReport, records: list[QueryRecord]) -> dict[str, dict[str, 
         "tokens_per_s_per_query": tput,
         "output_tokens_per_s": plain(run.throughput.output_tokens_per_s),
         "batch8_decode_tokens_per_s": {
-            "value": batch.get("tokens_per_s"),
-            "ci_low": batch.get("ci_low"),
-            "ci_high": batch.get("ci_high"),
+            "value": batch.tokens_per_s,
+            "ci_low": batch.ci_low,
+            "ci_high": batch.ci_high,
         },  # fmt: skip
         "quality_composite": plain(run.quality.composite),
         "quality_vs_standard": plain(run.quality_vs_standard.ratio if run.quality_vs_standard else None),

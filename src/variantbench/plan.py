@@ -1,7 +1,7 @@
 """The plan of a run: one frozen pydantic model, the only place where a default lives.
 
 A plan is read from YAML (``variantbench run PLAN.yaml``), changed by ``--set key.path=value`` and by
-the CLI's everyday flags (each a shortcut for one key path, ``cli_flags.py``), and written back fully
+the CLI's everyday flags (each a shortcut for one key path, ``cli_args.py``), and written back fully
 resolved as ``OUT/plan.yaml``, so ``variantbench run OUT/plan.yaml`` replays the run: the same
 samples, the same sample order and arrival schedule, the same settings.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 import json
 from pathlib import Path
@@ -110,16 +109,3 @@ def read_log(path: Path | str) -> list[QueryRecord]:
             if line:
                 records.append(QueryRecord.from_json(json.loads(line)))
     return records
-
-
-def counted(records: Iterable[QueryRecord], raws: Iterable[dict[str, Any]]) -> dict[str, list[QueryRecord]]:
-    """The records a report counted, by variant: each raw payload's run id (a find-peak search's
-    losing trials and an earlier run's leftovers in the log are not counted); failed payloads none."""
-    keys = {(raw.get("run_id"), name): raw["variant"] for raw in raws if raw.get("status") != "failed"
-            for name in (raw["variant"], raw.get("name"))}  # fmt: skip
-    by_variant: dict[str, list[QueryRecord]] = {}
-    for r in records:
-        variant = keys.get((r.run_id, r.variant))
-        if variant is not None:
-            by_variant.setdefault(variant, []).append(r)
-    return by_variant

@@ -59,7 +59,7 @@ def find(comparisons: Sequence[dict[str, Any]], x: str, y: str, metric: str) -> 
 
 def batch_rate(run: Any) -> float | None:
     b = run.batch_throughput
-    return b.get("tokens_per_s") if b else None
+    return b.tokens_per_s if b else None
 
 
 def check(run: Any, standard: Any, s: Profile, comparisons: Sequence[dict[str, Any]] = (),

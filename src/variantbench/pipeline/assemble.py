@@ -13,38 +13,45 @@ from typing import Any
 from variantbench.pipeline.settings import criteria_for
 from variantbench.plan import Plan
 from variantbench.records import QueryRecord
-from variantbench.report.schema import AB, PeakSearch, Report, Resources, RunReport
+from variantbench.report.results import Fidelity, VariantResult
+from variantbench.report.schema import AB, BatchThroughput, Cost, Incomplete, PeakSearch, Report, RunReport
 from variantbench.report.summary import compare_to_standard, summarize_run
 
 
-def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records: Iterable[QueryRecord],
+def assemble(header: Report, plan: Plan, raws: Iterable[VariantResult], records: Iterable[QueryRecord],
              order: list[str] | None = None) -> Report:  # fmt: skip
     """The report: ``header`` (model, workload, environment, ceilings) with one run per variant.
 
-    ``raws`` are the measure jobs' results (``records`` popped into the log), failed ones as
-    ``{"variant", "repeat", "status": "failed", "error"}``; ``order`` is the variants' order, the
-    standard first (default: as the raws come).
+    ``raws`` are the measure jobs' results, failed ones with their error, partial ones (a run that
+    stopped) with what they lack; ``order`` is the variants' order, the standard first (default: as
+    the results come).
     """
     raws = list(raws)
     by_run: dict[str, list[QueryRecord]] = {}
     for rec in records:
         by_run.setdefault(rec.run_id, []).append(rec)
-    order = order or list(dict.fromkeys(raw["variant"] for raw in raws))
+    order = order or list(dict.fromkeys(raw.variant for raw in raws))
     report = header.model_copy(update={"runs": [], "recommendations": {}})
     standard: tuple[RunReport, list[QueryRecord]] | None = None
     standard_repeats: list[RunReport] = []
     measured: dict[str, list[QueryRecord]] = {}  # each variant's records over its repeats
     for variant in order:
         repeats: list[RunReport] = []
-        for raw in sorted((r for r in raws if r["variant"] == variant), key=lambda r: r.get("repeat", 0)):
-            if raw.get("status") == "failed":
-                repeats.append(RunReport(variant=variant, status="failed", error=raw.get("error")))
+        for raw in sorted((r for r in raws if r.variant == variant), key=lambda r: r.repeat):
+            if raw.status == "failed" or raw.run_id is None:
+                repeats.append(
+                    RunReport(variant=variant, status="failed", error=raw.error or "nothing measured")
+                )
                 continue
-            recs = [r for r in by_run.get(raw["run_id"], []) if r.variant in (variant, raw.get("name"))]
+            recs = [r for r in by_run.get(raw.run_id, []) if r.variant in (variant, raw.name)]
+            if not recs and raw.status != "ok":  # loaded, then stopped before its first query
+                repeats.append(RunReport(variant=variant, status="failed",
+                                         error=f"stopped before its first query ({stopped_why(raw)})"))  # fmt: skip
+                continue
             run = summarize_payload(raw, recs, plan, standard, header.ceilings)
             if run.status == "ok":
                 measured.setdefault(variant, []).extend(recs)
-            if raw.get("repeat", 0) == 0 and variant == header.standard and run.status == "ok":
+            if raw.repeat == 0 and variant == header.standard and run.status == "ok":
                 standard = (run, recs)
             repeats.append(run)
         if not repeats:
@@ -52,7 +59,7 @@ def assemble(header: Report, plan: Plan, raws: Iterable[dict[str, Any]], records
         run = combine_repeats(repeats, standard_repeats)
         if variant == header.standard:
             standard_repeats = repeats
-        wall = next((r.get("wall_s") for r in raws if r["variant"] == variant and r.get("wall_s")), None)
+        wall = next((r.wall_s for r in raws if r.variant == variant and r.wall_s), None)
         if wall is not None:
             run.backend.setdefault("wall_s", wall)
         report.runs.append(run)
@@ -80,8 +87,8 @@ def comparisons(report: Report, plan: Plan, measured: dict[str, list[QueryRecord
     band = a.tie_band / 100
     ok = [r.variant for r in report.runs if r.status == "ok" and r.variant in measured]
     out = all_pairs({v: measured[v] for v in ok}, confidence=confidence, band=band)
-    batch = {r.variant: r.batch_throughput["values"] for r in report.runs
-             if r.status == "ok" and r.batch_throughput and len(r.batch_throughput["values"]) >= 2}  # fmt: skip
+    batch = {r.variant: r.batch_throughput.values for r in report.runs
+             if r.status == "ok" and r.batch_throughput and len(r.batch_throughput.values) >= 2}  # fmt: skip
     names = [v for v in ok if v in batch]
     for i, x in enumerate(names):
         for y in names[i + 1 :]:
@@ -90,8 +97,15 @@ def comparisons(report: Report, plan: Plan, measured: dict[str, list[QueryRecord
     return out
 
 
+def stopped_why(raw: VariantResult) -> str:
+    """Why a result lacks phases: the run stopped there (killed), or nothing but its queries is left."""
+    if raw.status == "log-only":
+        return "no result file: rebuilt from its queries in the log"
+    return "the run stopped while it was measured (killed)"
+
+
 def summarize_payload(
-    payload: dict[str, Any],
+    payload: VariantResult,
     records: list[QueryRecord],
     plan: Plan,
     standard: tuple[RunReport, list[QueryRecord]] | None = None,
@@ -100,67 +114,68 @@ def summarize_payload(
     """One variant's run from its raw results and its query records: summary, resources, cost, A/B."""
     from variantbench.analysis.cost import derive
     from variantbench.metrics.windows import windows as make_windows
-    from variantbench.report.schema import Cost, Diagnosis, Likelihood, LmEvalReport, SampleLikelihood
     from variantbench.trackers.resources import sample_from_row, window_resources
 
-    fidelity = payload.get("fidelity") or {}
-    criteria = criteria_for(plan, payload["seeds"], target_qps=payload["load_settings"]["rate_qps"])
-    raw = dict(payload["resources"])
-    raw.setdefault("startup_warm_s", raw.get("startup_s"))
+    fidelity = payload.fidelity or Fidelity()
+    criteria = criteria_for(plan, payload.seeds, target_qps=payload.target_qps)
+    res = payload.resources.model_copy()
+    if res.startup_warm_s is None:
+        res.startup_warm_s = res.startup_s
     run = summarize_run(
-        payload.get("name") or payload["variant"],
+        payload.name or payload.variant,
         records,
-        Resources(**{k: v for k, v in raw.items() if k in Resources.model_fields}),
-        backend=payload["load"].get("details", {}),
-        scenario=payload.get("scenario", plan.scenario),
+        res,
+        backend=dict(payload.load.details) if payload.load else {},
+        scenario=payload.scenario or plan.scenario,
         criteria=criteria,
-        fidelity={k: fidelity.get(k) for k in ("perplexity", "kl_mean", "kl_p99", "top1_agreement")},
+        fidelity={
+            "perplexity": fidelity.perplexity,
+            "kl_mean": fidelity.kl_mean,
+            "kl_p99": fidelity.kl_p99,
+            "top1_agreement": fidelity.top1_agreement,
+        },  # fmt: skip
     )
-    if payload.get("likelihood"):
-        lk = payload["likelihood"]
-        run.likelihood = Likelihood(
-            **lk["summary"],
-            per_sample=[SampleLikelihood(**s) for s in lk["samples"]],
-            unavailable=lk.get("unavailable"),
-        )
+    if payload.likelihood:
+        run.likelihood = payload.likelihood.model_copy(deep=True)
         _accuracy_by_likelihood(run)
-    if payload.get("lm_eval"):
-        run.lm_eval = LmEvalReport(**payload["lm_eval"])
-    if payload.get("build"):
-        run.backend["build"] = payload["build"]
-    if payload.get("phases_s"):
-        run.backend["phases_s"] = payload["phases_s"]
-    for key in ("node", "retried"):  # where a job ran (Ray) and what was run again
-        if payload.get(key):
-            run.backend[key] = payload[key]
-    where = {int(s["sender"]): s for s in payload.get("senders") or []}  # Ray senders: node, clock offset
+    run.lm_eval = payload.lm_eval
+    if payload.build:
+        run.backend["build"] = payload.build.model_dump()
+    if payload.phases_s:
+        run.backend["phases_s"] = dict(payload.phases_s)
+    if payload.node:  # where a job ran (Ray) and what was run again
+        run.backend["node"] = payload.node
+    if payload.retried:
+        run.backend["retried"] = payload.retried
+    if payload.status != "ok":
+        run.incomplete = Incomplete(status=payload.status, why=stopped_why(payload), missing=payload.missing(),
+                                    done=list(payload.done))  # fmt: skip
+    where = {int(s["sender"]): s for s in payload.senders}  # Ray senders: node, clock offset
     for entry in run.senders:
         entry.update({k: v for k, v in where.get(int(entry["sender"]), {}).items() if k != "sender"})
-    if payload.get("peak_search"):
-        passing = [t["rate_qps"] for t in payload["peak_search"] if t["passed"]]
-        run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=payload["peak_search"])
-    samples = [sample_from_row(row) for row in payload.get("resource_samples") or []]
+    if payload.peak_search:
+        passing = [t.rate_qps for t in payload.peak_search if t.passed]
+        run.peak = PeakSearch(peak_qps=max(passing) if passing else None, trials=list(payload.peak_search))
+    samples = [sample_from_row(row) for row in payload.resource_samples]
     if samples and run.windows:
         spans = [(w.start_ns, w.end_ns) for w in make_windows(records, criteria.window)]
-        for w, extra in zip(
-            run.windows, window_resources(samples, spans, raw.get("cores") or 1), strict=True
-        ):
+        for w, extra in zip(run.windows, window_resources(samples, spans, res.cores or 1), strict=True):
             w.mean_rss_bytes, w.mean_cpu_util = extra["mean_rss_bytes"], extra["mean_cpu_util"]
     ok_tokens = sum(r.output_tokens for r in records if r.status == "ok")
     run.cost = Cost(**derive(cost_model(plan), duration_s=run.duration_s, output_tokens=ok_tokens,
-                             energy_j=raw.get("energy_j"), tracked_wall_s=raw.get("wall_s"),
+                             energy_j=res.energy_j, tracked_wall_s=res.wall_s,
                              quality=run.quality.composite))  # fmt: skip
     _cost_intervals(run, records)
-    batch = payload.get("batch_decode")
-    if batch and batch.get("tokens_per_s"):
+    batch = payload.batch_decode
+    if batch and batch.tokens_per_s:
         from variantbench.metrics.significance import across_runs
 
-        values = [float(v) for v in batch["tokens_per_s"]]
+        values = [float(v) for v in batch.tokens_per_s]
         spread = across_runs(values)
-        run.batch_throughput = {"batch": batch["size"], "new_tokens": batch["new_tokens"], "values": values,
-                                "tokens_per_s": spread["mean"], "ci_low": spread["ci_low"],
-                                "ci_high": spread["ci_high"]}  # fmt: skip
-    if payload.get("is_standard"):
+        run.batch_throughput = BatchThroughput(batch=batch.size, new_tokens=batch.new_tokens, values=values,
+                                               tokens_per_s=spread["mean"], ci_low=spread["ci_low"],
+                                               ci_high=spread["ci_high"])  # fmt: skip
+    if payload.is_standard:
         run.quality_vs_standard = compare_to_standard(run, records, run, records)
     elif standard is not None:
         std_run, std_records = standard
@@ -174,16 +189,13 @@ def summarize_payload(
                 lm_eval=run.lm_eval, standard_lm_eval=std_run.lm_eval, confidence=look_confidence_of(plan),
             )  # fmt: skip
             run.ab_vs_standard = AB(**ab_compare(run.variant, records, std_run.variant, std_records))
-    histograms = (payload.get("server_metrics") or {}).get("latency_histograms")
+    histograms = payload.server_metrics.latency_histograms if payload.server_metrics else None
     if histograms:
         run.server_latency = server_latency_view(run, histograms)
-    diag = payload.get("diagnosis")
-    if diag:
-        run.diagnosis = Diagnosis(
-            **{k: v for k, v in diag.items() if k in Diagnosis.model_fields},
-            ceiling_gflops=(ceilings or {}).get("matmul_gflops"),
-            ceiling_gbps=(ceilings or {}).get("memory_gbps"),
-        )
+    if payload.diagnosis:
+        run.diagnosis = payload.diagnosis.model_copy(update={
+            "ceiling_gflops": (ceilings or {}).get("matmul_gflops"),
+            "ceiling_gbps": (ceilings or {}).get("memory_gbps")})  # fmt: skip
     return run
 
 

@@ -1,10 +1,10 @@
 """Executors run jobs: ``local`` in a fresh spawned process per job, ``inline`` in this process.
 
 An executor takes a job (picklable, with ``id`` and ``run(emit)``) and a callback for its progress
-events, and returns the job's result dict or raises ``JobFailed`` with one line. The process
+events, and returns the job's typed result or raises ``JobFailed`` with one line. The process
 executor gives each variant its own memory, threads and startup, and a crash in one (a segfault in a
 native kernel, an out-of-memory kill) fails that job only. The Ray executor (``ray_executor.py``)
-takes the same jobs and returns the same dicts; ``registry.py`` names them all.
+takes the same jobs and returns the same results; ``registry.py`` names them all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Job(Protocol):
     @property
     def id(self) -> str: ...
 
-    def run(self, emit: OnEvent) -> dict[str, Any]: ...
+    def run(self, emit: OnEvent) -> Any: ...
 
 
 class JobFailed(RuntimeError):
@@ -32,7 +32,7 @@ class JobFailed(RuntimeError):
 
 
 class Executor(Protocol):
-    def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]: ...
+    def run(self, job: Job, on_event: OnEvent) -> Any: ...
 
 
 class ResidentJob(Protocol):
@@ -61,7 +61,7 @@ class Resident(Protocol):
 class InlineExecutor:
     """In this process: for debugging, and where a second process is not wanted (``--no-isolate``)."""
 
-    def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]:
+    def run(self, job: Job, on_event: OnEvent) -> Any:
         try:
             return job.run(on_event)
         except UserError as exc:
@@ -184,7 +184,7 @@ class LocalProcessExecutor:
         # warm process with its libraries loaded, not the import of torch
         self.preload = preload
 
-    def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]:
+    def run(self, job: Job, on_event: OnEvent) -> Any:
         ctx = mp.get_context("spawn")
         channel = ctx.Queue()
         proc = ctx.Process(target=_worker, args=(job, channel, self.preload),

@@ -34,6 +34,7 @@ import random
 import time
 from typing import Any
 
+from variantbench.faults import fault_point
 from variantbench.loadgen.harness import LoadSettings
 from variantbench.metrics.sequential import Comparison, all_pairs, look_confidence, settled
 from variantbench.metrics.windows import active_s
@@ -41,6 +42,8 @@ from variantbench.pipeline.executors import JobFailed, Resident, Session
 from variantbench.pipeline.jobs import MeasureJob
 from variantbench.plan import Plan
 from variantbench.records import QueryRecord
+from variantbench.report.results import VariantResult
+from variantbench.report.schema import Look
 
 OnEvent = Callable[[tuple[Any, ...]], None]
 
@@ -75,13 +78,37 @@ class Outcome:
     """What the rounds produced: every variant's records and raw payload (or its failure)."""
 
     records: dict[str, list[QueryRecord]] = field(default_factory=dict)
-    payloads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: dict[str, VariantResult] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     rounds: int = 0
-    looks: list[dict[str, Any]] = field(default_factory=list)
+    looks: list[Look] = field(default_factory=list)
     stopped: str = ""
     comparisons: list[Comparison] = field(default_factory=list)
     likelihood: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # scored at the looks
+
+
+def _call(
+    sessions: dict[str, Session], out: Outcome, name: str, method: str, *args: Any, on_event: OnEvent
+) -> Any:
+    """One call to a session; a failed one fails the variant, the others go on."""
+    try:
+        return sessions[name].call(method, *args, on_event=on_event)
+    except JobFailed as exc:
+        out.failures[name] = str(exc)
+        sessions.pop(name).close()
+        return None
+
+
+def unfinished_blocks(records: list[QueryRecord], load: LoadSettings, block_s: float) -> list[QueryRecord]:
+    """The records of blocks a killed run left half answered (fewer queries than the block asks):
+    a resumed run asks those blocks again, so these are set aside, not counted twice."""
+    size, cap = block_size(load, block_s), load.max_queries
+    by_block: dict[tuple[str, int], set[int]] = {}
+    for r in records:
+        by_block.setdefault((r.variant, r.block), set()).add(r.query if r.query >= 0 else r.index)
+    short = {key for key, queries in by_block.items()
+             if len(queries) < (min(size, cap - key[1] * size) if cap else size)}  # fmt: skip
+    return [r for r in records if (r.variant, r.block) in short]
 
 
 def _no_block_progress(emit: OnEvent) -> OnEvent:
@@ -90,22 +117,28 @@ def _no_block_progress(emit: OnEvent) -> OnEvent:
 
 
 def run_interleaved(executor: Resident, jobs: dict[str, MeasureJob], plan: Plan, on_event: Callable[[str], OnEvent],
-                    say: Callable[[str], None]) -> Outcome:  # fmt: skip
-    """Open every variant's session, run rounds until the stopping rule says so, finish each."""
+                    say: Callable[[str], None], kept: dict[str, list[QueryRecord]] | None = None) -> Outcome:  # fmt: skip
+    """Open every variant's session, run rounds until the stopping rule says so, finish each.
+
+    ``kept``: a resumed run's records by variant, whole blocks only (``unfinished_blocks`` drops the
+    rest): a round whose block a variant already answered is not asked of it again, so the rounds,
+    the looks and the samples are the uninterrupted run's."""
     out = Outcome()
     sessions: dict[str, Session] = {}
     try:
         for name, job in jobs.items():  # loaded one at a time: each startup timed on a quiet machine
             try:
                 sessions[name] = executor.open(job, on_event(name))
-                out.records[name] = []
+                out.records[name] = list((kept or {}).get(name, []))
             except JobFailed as exc:
                 out.failures[name] = str(exc)
         _rounds(sessions, jobs, plan, out, on_event, say)
+        for name in list(sessions):  # every round asked: the scenario is whole
+            _call(sessions, out, name, "checkpoint", True, on_event=on_event(name))
         _batch_rounds(sessions, jobs, out, on_event)
         for name in list(sessions):
             try:
-                out.payloads[name] = sessions[name].call("finish", on_event=on_event(name))
+                out.results[name] = sessions[name].call("finish", on_event=on_event(name))
             except JobFailed as exc:
                 out.failures[name] = str(exc)
     finally:
@@ -119,11 +152,18 @@ def _batch_rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
     """The batching-throughput measurements, in turns as well (rotated each round)."""
     from variantbench.pipeline.measure import BATCH_NEW, BATCH_SIZE
 
+    left = {
+        n: j.batch_rounds
+        - (len(j.resume.batch_decode.tokens_per_s) if j.resume and j.resume.batch_decode else 0)
+        for n, j in jobs.items()
+    }  # a resumed variant: the rounds it has not measured yet
     rounds = max((j.batch_rounds for j in jobs.values()), default=0)
     for r in range(rounds):
         if not sessions:  # every variant failed
             return
         for name in round_order(list(sessions), r, "single-stream", 0):
+            if r < jobs[name].batch_rounds - left[name]:
+                continue
             try:
                 sessions[name].call("batch_rate", BATCH_SIZE, BATCH_NEW, on_event=on_event(name))
             except JobFailed as exc:
@@ -152,6 +192,8 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
         settings = replace(load, first_query=done, min_queries=n, max_queries=n, min_duration_s=0.0,
                            max_duration_s=None, block=out.rounds)  # fmt: skip
         for name in round_order(list(sessions), out.rounds, load.scenario, plan.seeds.schedule):
+            if any(r.block == out.rounds for r in out.records[name]):
+                continue  # a resumed run: answered before the kill
             try:
                 emit = on_event(name)
                 got = sessions[name].call("block", settings, on_event=_no_block_progress(emit))
@@ -162,6 +204,8 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
                 sessions.pop(name).close()
         done += n
         out.rounds += 1
+        if out.rounds == max(1, per_pass // 2) and look == 0:
+            fault_point("first-look")  # halfway to the first look: only the queries are on disk
         alive = {k: v for k, v in out.records.items() if k in sessions}
         long_enough = all(active_s(v) >= load.min_duration_s for v in alive.values())
         if (done >= next_look and long_enough) or (cap and done >= cap):
@@ -172,14 +216,17 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
             new_samples_ahead = bool(library.pass_size) and done < len(library)
             quality_open = (_quality_look(sessions, jobs, out, plan, confidence, on_event)
                             if a.until_decided and new_samples_ahead else [])  # fmt: skip
+            for name in list(sessions):  # each variant's result so far saved: a kill from here on keeps it
+                _call(sessions, out, name, "checkpoint", False, on_event=on_event(name))
+            fault_point(f"look-{look}")
             decided = settled(out.comparisons) and not quality_open
-            out.looks.append({"look": look, "queries_per_variant": done, "confidence": confidence,
-                              "undecided": [f"{c.a} vs {c.b}" for c in out.comparisons if c.state == "undecided"]
-                              + [f"{v}: quality" for v in quality_open]})  # fmt: skip
+            out.looks.append(Look(look=look, queries_per_variant=done, confidence=confidence,
+                                  undecided=[f"{c.a} vs {c.b}" for c in out.comparisons if c.state == "undecided"]
+                                  + [f"{v}: quality" for v in quality_open]))  # fmt: skip
             if a.until_decided:
                 say(f"look {look}/{looks} after {done} queries per variant: "
                     + ("every comparison decided" if decided else
-                       f"{len(out.looks[-1]['undecided'])} comparison(s) undecided"))  # fmt: skip
+                       f"{len(out.looks[-1].undecided)} comparison(s) undecided"))  # fmt: skip
             if not a.until_decided:
                 out.stopped = "one pass (until_decided off)"
                 break

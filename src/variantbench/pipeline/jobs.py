@@ -1,6 +1,7 @@
 """The jobs a run is made of: build a variant, measure it, time its cold start.
 
-A job is plain, picklable data with an ``id`` and a ``run(emit)`` that returns a picklable dict:
+A job is plain, picklable data with an ``id`` and a ``run(emit)`` that returns a picklable, typed
+result (a build its ``Artifact``, a measurement its ``VariantResult``, a cold start ``ColdStart``):
 an executor may run it in this process, in a spawned process (``executors.py``), or on another
 machine, and the pipeline merges results by id. No job reads global state: everything it needs
 is in its fields (the variant as a parsed ``VariantSpec``, never its name to parse again).
@@ -14,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from variantbench.faults import fault_point
 from variantbench.loadgen.harness import LoadSettings
+from variantbench.report.results import PHASES, VariantResult
 from variantbench.report.summary import Criteria
 from variantbench.variants.spec import Artifact, VariantSpec
 from variantbench.workloads.base import Workload
@@ -34,7 +37,7 @@ class BuildJob:
     def id(self) -> str:
         return f"build:{self.spec.name}"
 
-    def run(self, emit: Emit) -> dict[str, Any]:
+    def run(self, emit: Emit) -> Artifact:
         from variantbench.variants.spec import build_variant
 
         emit(("status", "building" if self.spec.needs_build else "nothing to build"))
@@ -42,7 +45,7 @@ class BuildJob:
             self.base_dir, self.spec, seed=self.seed, say=lambda m: emit(("status", m)),
             progress=lambda phase, done, total: emit(("progress", phase, done, total)),
         )  # fmt: skip
-        return {"artifact": artifact}
+        return artifact
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,23 @@ class MeasureJob:
     repeat: int = 0
     batch_rounds: int = 0  # batching-throughput measurements (batch-8 decode) after the scenario
     scrape_s: float = 1.0  # a served variant's /metrics every this many seconds while measured; 0: off
+    cold_start: bool = False  # the pipeline times a cold start after the job (listed in ``phases``)
+    # where the result is saved as it grows (raw/VARIANT.REPEAT.json); None: only returned (a Ray node)
+    result_path: str | None = None
+    resume: VariantResult | None = None  # what a killed run saved of this variant: only the rest runs
+    answered: tuple[str, ...] = ()  # sample ids a resumed variant's earlier blocks asked, in order
 
     @property
     def id(self) -> str:
         return f"measure:{self.variant}#{self.repeat}"
+
+    def phases(self) -> tuple[str, ...]:
+        """The phases this job's result will hold when whole (``results.PHASES``)."""
+        asked = {"load": True, "scenario": True, "batch": self.batch_rounds > 0,
+                 "fidelity": self.fidelity is not None, "likelihood": self.likelihood is not None,
+                 "lm_eval": self.lm_eval is not None, "diagnosis": self.diagnose and self.endpoint is None,
+                 "cold_start": self.cold_start}  # fmt: skip
+        return tuple(p for p in PHASES if asked[p])
 
     def backend(self) -> Any:
         if self.endpoint is not None:
@@ -104,7 +120,7 @@ class MeasureJob:
         assert self.spec is not None
         return make_backend(self.spec, self.artifact, self.base_dir, device=self.device, threads=self.threads)
 
-    def run(self, emit: Emit) -> dict[str, Any]:
+    def run(self, emit: Emit) -> VariantResult:
         from variantbench.pipeline.measure import measure_variant
 
         return measure_variant(self, emit)
@@ -130,10 +146,17 @@ class ColdStartJob:
     def id(self) -> str:
         return f"cold-start:{self.spec.name}"
 
-    def run(self, emit: Emit) -> dict[str, Any]:
+    def run(self, emit: Emit) -> ColdStart:
         from variantbench.analysis.startup import cold_start
 
         emit(("status", "cold start in a fresh process"))
+        fault_point("cold_start")
         seconds, note = cold_start(self.spec, self.artifact, self.base_dir, threads=self.threads,
                                    device=self.device)  # fmt: skip
-        return {"startup_cold_s": seconds, "startup_cold_note": note}
+        return ColdStart(seconds, note)
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    seconds: float | None
+    note: str | None

@@ -8,15 +8,15 @@ strict spread: a group is reserved whole up front, while the jobs here come one 
 (a variant's build, its measurement, its cold start) and a node freed by one should take the next.
 
 Results: a measurement's query records come back in its payload and are appended to the run's
-query log here (the node writes its log to a private temporary file), so the log, the raw payloads
-and the report are a local run's; each payload also says which node ran it (``node``: Ray's node
+query log here (the node writes its log to a private temporary file), so the log, the raw results
+and the report are a local run's; each result also says which node ran it (``node``: Ray's node
 id, host, IP, CPU model and flags). Builds are cached in the variantbench cache, which must be the
 same path on every node (one machine, or a shared filesystem: ``execution.shared_cache`` sets
 ``VARIANTBENCH_CACHE`` in every job); a node that cannot see an artifact fails that job with one
 line. ``execution.memory_gb`` reserves Ray's memory resource for each job.
 
 Faults: a job whose worker or node died (not one that raised: that is its result) is submitted
-again, at most ``retries`` times; each retry and its reason are kept in the payload (``retried``).
+again, at most ``retries`` times; each retry and its reason are kept in the result (``retried``).
 
 Progress events cross to the driver through a small actor, fire-and-forget, at most one progress
 event per half second: a measuring node must not spend its time reporting.
@@ -35,6 +35,7 @@ from variantbench.errors import UserError
 from variantbench.pipeline.executors import Job, JobFailed, OnEvent, _one_line
 from variantbench.pipeline.jobs import MeasureJob
 from variantbench.ray_cluster import NODE_RESOURCE, connect, fingerprint
+from variantbench.report.results import VariantResult
 
 PROGRESS_EVERY_S = 0.5
 
@@ -58,7 +59,7 @@ def _whole_node() -> None:
     torch.set_num_threads(min(psutil.cpu_count(logical=False) or usable_cores(), usable_cores()))
 
 
-def _run_on_node(job: Job, events: Any, key: str) -> dict[str, Any]:
+def _run_on_node(job: Job, events: Any, key: str) -> Any:
     """The Ray task: the job run in this worker, its events sent on, its node named in the result."""
     import tempfile
 
@@ -75,13 +76,15 @@ def _run_on_node(job: Job, events: Any, key: str) -> dict[str, Any]:
         last["at"] = now
         events.put.remote(key, event)
 
-    if isinstance(job, MeasureJob):  # its log on this node, its records in the result
-        job = replace(job, log_path=os.path.join(tempfile.mkdtemp(prefix="variantbench-"), "queries.jsonl"))
+    if isinstance(job, MeasureJob):  # its log on this node, its records in the result; saved by the driver
+        job = replace(job, log_path=os.path.join(tempfile.mkdtemp(prefix="variantbench-"), "queries.jsonl"),
+                      result_path=None)  # fmt: skip
     try:
         result = job.run(emit)
     except UserError as exc:
         raise JobFailed(str(exc)) from exc
-    result["node"] = fingerprint()
+    if isinstance(result, VariantResult):
+        result.node = fingerprint()
     return result
 
 
@@ -128,7 +131,7 @@ class RayExecutor:
     def capacity(self) -> int:
         return self.nodes
 
-    def run(self, job: Job, on_event: OnEvent) -> dict[str, Any]:
+    def run(self, job: Job, on_event: OnEvent) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayTaskError
 
@@ -164,10 +167,9 @@ class RayExecutor:
                 continue
             finally:
                 events.drain.remote(key)  # what a failed attempt left
-            if retried:
-                result["retried"] = retried
-            if isinstance(job, MeasureJob) and "records" in result:
-                _append_log(job.log_path, result["records"])
+            if isinstance(result, VariantResult):
+                result.retried = retried
+                _append_log(job.log_path, result.records or [])
             return result
 
 

@@ -45,7 +45,8 @@ from variantbench.pipeline.settings import criteria_for, load_settings
 from variantbench.plan import Plan
 from variantbench.plan_file import write_plan
 from variantbench.records import QueryRecord, read_log
-from variantbench.report.schema import Report
+from variantbench.report.results import VariantResult, failed, read_result
+from variantbench.report.schema import Execution, Report, Rounds
 from variantbench.variants.spec import Artifact, VariantSpec, plain_artifact
 from variantbench.workloads.base import Workload
 
@@ -143,10 +144,11 @@ class Display:
         self.progress.update(self.task, description=f"{self.variant}: {text}")
 
 
-def execute(plan: Plan, console: Console | None = None) -> Report:
-    """Run the plan; return the report (also written to ``plan.out / report.json``)."""
+def execute(plan: Plan, console: Console | None = None, resume: bool = False) -> Report:
+    """Run the plan; return the report (also written to ``plan.out / report.json``). ``resume``: the
+    folder holds a run that was killed or failed; what it measured is kept and only the rest runs."""
     console = console or Console(stderr=True)
-    ctx = prepare(plan, console)
+    ctx = prepare(plan, console, keep=resume, resume=resume)
     with run_progress(console) as progress:
         if ctx.interleave:
             report = _measure_interleaved(ctx, progress, console)
@@ -172,7 +174,62 @@ def finish(ctx: RunContext, report: Report, console: Console) -> None:
         _record_history(plan, report, ctx.records, ctx.base_dir, console)
 
 
-def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
+def resume_run(folder: Path, console: Console | None = None) -> Report:
+    """``variantbench run --resume DIR``: the run in ``folder`` continued from its plan.yaml, its query
+    log and its partial results. Whole variants are skipped; an interleaved variant goes on from the
+    first round it had not answered (the same samples, the same schedule, the same looks); a phase
+    that finished (fidelity, batch rounds, diagnosis, cold start) is not run again."""
+    from variantbench.plan_file import load_plan
+
+    for needed in ("plan.yaml", "queries.jsonl", "report.json"):
+        if not (folder / needed).is_file():
+            raise UserError(f"{folder} is not a run folder to resume: {needed} is missing")
+    plan = load_plan(folder / "plan.yaml").model_copy(update={"out": folder})
+    return execute(plan, console, resume=True)
+
+
+def earlier_run_id(out: Path, raws: list[VariantResult], records: list[QueryRecord]) -> str:
+    """The run id of the run a resume continues: its queries and results carry it."""
+    try:
+        rid = Report.read(out / "report.json").execution.run_id
+    except (OSError, ValueError):
+        rid = None
+    ids = [r.run_id for r in raws if r.run_id] + [r.run_id for r in records]
+    rid = rid or (ids[0].split("@")[0].split("#")[0] if ids else None)
+    if rid is None:
+        raise UserError(f"nothing was measured in {out}: there is nothing to resume (run it again)")
+    return str(rid)
+
+
+def set_aside(ctx: RunContext, say: Callable[[str], None]) -> None:
+    """Queries a resumed run asks again (a block the kill cut short; a one-by-one variant's unfinished
+    scenario), moved from the log to ``queries.unfinished.jsonl``: kept, not counted twice."""
+    from variantbench.pipeline.interleave import unfinished_blocks
+    from variantbench.records import QueryLog
+
+    aside: list[QueryRecord] = []
+    for (variant, repeat), old in ctx.resumed.items():
+        mine = [r for r in ctx.records if r.run_id == old.run_id and r.variant in (variant, old.name)]
+        if ctx.interleave:
+            aside += unfinished_blocks(mine, ctx.job(variant, repeat, None).load, ctx.plan.execution.block_s)
+        elif "scenario" not in old.done:
+            aside += mine
+    if not aside:
+        return
+    gone = {id(r) for r in aside}
+    ctx.records = [r for r in ctx.records if id(r) not in gone]
+    with QueryLog(ctx.plan.out / "queries.unfinished.jsonl") as log:
+        for r in aside:
+            log.append(r)
+    tmp = ctx.log_path.with_name(ctx.log_path.name + ".tmp")
+    tmp.write_text(
+        "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in ctx.records), encoding="utf-8"
+    )
+    tmp.replace(ctx.log_path)
+    say(f"{len(aside)} queries of unfinished blocks set aside in queries.unfinished.jsonl: asked again")
+
+
+def prepare(plan: Plan, console: Console, keep: bool = False, resume: bool = False) -> RunContext:
     """Everything the plan's jobs share, checked and made once: the base model, the workload, the
     machine's ceilings, the executor and how the variants will be measured; ``report.json``'s header
     written. Bad input fails here, before anything is measured. ``keep``: the folder's query log and
@@ -215,6 +272,9 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
     library = build_workload(plan, base_dir, say=lambda msg: console.print(f"[dim]{msg}[/dim]"), checked=checked,
                              passes=1 if endpoints else None)  # fmt: skip
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    if resume:
+        earlier = read_results(out / "raw") if (out / "raw").is_dir() else []
+        run_id = earlier_run_id(out, earlier, read_log(out / "queries.jsonl"))
     header = Report(
         tool_version=__version__,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -227,9 +287,10 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
     log_path = out / "queries.jsonl"
     raw_dir = out / "raw"
     raw_dir.mkdir(exist_ok=True)
-    kept_raws, kept_records = [], []
-    if keep:  # a resumed search: what earlier sessions measured stays and is counted
-        kept_raws = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(raw_dir.glob("*.json"))]
+    kept_raws: list[VariantResult] = []
+    kept_records: list[QueryRecord] = []
+    if keep:  # a resumed search or run: what earlier sessions measured stays and is counted
+        kept_raws = read_results(raw_dir)
         kept_records = read_log(log_path) if log_path.exists() else []
         log_path.touch()
     else:
@@ -275,21 +336,31 @@ def prepare(plan: Plan, console: Console, keep: bool = False) -> RunContext:
     at_once = nodes > 1 and len(order) > 1
     interleave = (plan.execution.interleave and not endpoints and len(order) > 1 and not find_peak
                   and isinstance(executor, Resident) and not at_once)  # fmt: skip
-    header.execution = {
-        "interleaved": interleave,
-        "why_not": None if interleave or len(order) < 2 else
+    header.execution = Execution(
+        interleaved=interleave,
+        why_not=None if interleave or len(order) < 2 else
         ("each variant measured at once on a node of its own" if at_once else
          "one node of the cluster: the variants one after another" if nodes == 1 else
          "find-peak searches each variant's rate alone" if find_peak else
          "served variants are measured one after another" if endpoints else "execution.interleave is off"),
-        "executor": plan.execution.executor if not endpoints else "inline",
-    }  # fmt: skip
-    if nodes:
-        header.execution["nodes"] = nodes
-    return RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
-                       log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
-                       fidelity=fidelity, likelihood=likelihood, lm_eval=lm_eval, analyze=analyze, counters=counters, find_peak=find_peak,
-                       interleave=interleave, at_once=at_once, raws=kept_raws, records=kept_records)  # fmt: skip
+        executor=plan.execution.executor if not endpoints else "inline",
+        run_id=run_id,
+        nodes=nodes or None,
+    )  # fmt: skip
+    ctx = RunContext(plan=plan, header=header, order=order, specs=specs, base_dir=base_dir, library=library,
+                     log_path=log_path, raw_dir=raw_dir, run_id=run_id, executor=executor, endpoints=endpoints,
+                     fidelity=fidelity, likelihood=likelihood, lm_eval=lm_eval, analyze=analyze, counters=counters, find_peak=find_peak,
+                     interleave=interleave, at_once=at_once, raws=kept_raws, records=kept_records)  # fmt: skip
+    if resume:
+        kept_raws += from_log_alone(kept_records, kept_raws, plan)
+        ctx.resumed = {(r.variant, r.repeat): r.model_copy(update={"done": [] if r.status == "log-only" else r.done})
+                       for r in kept_raws if r.status in ("partial", "log-only")}  # fmt: skip
+        ctx.raws = [r for r in kept_raws if r.status != "failed"]  # a failed variant is measured again
+        set_aside(ctx, say=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+        whole = sorted({r.variant for r in ctx.raws if r.status == "ok"})
+        console.print(f"[dim]resuming {out}: " + (f"{', '.join(whole)} whole, " if whole else "")
+                      + (f"{len(ctx.resumed)} to finish" if ctx.resumed else "nothing left half-done") + "[/dim]")  # fmt: skip
+    return ctx
 
 
 def _record_history(
@@ -331,12 +402,17 @@ class RunContext:
     find_peak: bool
     interleave: bool = False  # measured in turns (pipeline/interleave.py)
     at_once: bool = False  # each variant at once on a node of its own (a Concurrent executor)
-    raws: list[dict[str, Any]] = field(default_factory=list)
+    raws: list[VariantResult] = field(default_factory=list)
     records: list[QueryRecord] = field(default_factory=list)
+    # a resumed run: what its killed run saved, by (variant, repeat), and its run id
+    resumed: dict[tuple[str, int], VariantResult] = field(default_factory=dict)
 
     def job(self, variant: str, repeat: int, artifact: Artifact | None) -> MeasureJob:
         plan = self.plan
         rid = self.run_id if plan.analysis.repeats == 1 else f"{self.run_id}#{repeat}"
+        old = self.resumed.get((variant, repeat))
+        answered = tuple(dict.fromkeys(r.sample_id for r in self.records if old is not None
+                                       and r.run_id == old.run_id and r.variant in (variant, old.name)))  # fmt: skip
         return MeasureJob(
             variant=variant, workload=self.library, log_path=str(self.log_path),
             load=load_settings(plan, rid, self.library.pass_size or len(self.library)), spec=self.specs.get(variant), artifact=artifact,
@@ -346,31 +422,42 @@ class RunContext:
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,
             diagnose=plan.analysis.diagnose and self.analyze and repeat == 0, counters=self.counters, repeat=repeat,
             batch_rounds=plan.analysis.batch_rounds if self.analyze else 0, scrape_s=plan.execution.scrape_s,
+            cold_start=self.cold_starts(variant, artifact) and repeat == 0,
+            result_path=str(self.raw_dir / result_name(variant, repeat)), resume=old, answered=answered,
         )  # fmt: skip
 
+    def whole(self, variant: str, repeat: int) -> bool:
+        """This variant-repeat's result is whole already (a resumed run skips it)."""
+        return any(r.variant == variant and r.repeat == repeat and r.status == "ok" for r in self.raws)
+
+    def cold_starts(self, variant: str, artifact: Artifact | None) -> bool:
+        return bool(self.plan.analysis.cold_start and self.analyze and variant in self.specs and artifact)
+
     def cold_start(
-        self, variant: str, artifact: Artifact | None, payload: dict[str, Any], display: Any,
+        self, variant: str, artifact: Artifact | None, result: VariantResult, display: Any,
         via: Executor | None = None,
     ) -> None:  # fmt: skip
         """The variant's cold start, here (the job starts its own fresh process) or ``via`` an
-        executor that runs jobs elsewhere (a Ray node, on hardware like the one measured)."""
+        executor that runs jobs elsewhere (a Ray node, on hardware like the one measured); saved."""
         vspec = self.specs.get(variant)
-        if self.plan.analysis.cold_start and self.analyze and vspec is not None and artifact is not None:
+        if "cold_start" in result.expected and "cold_start" not in result.done and vspec and artifact:
             cold = ColdStartJob(
                 vspec, artifact, self.base_dir, self.plan.model.device, self.plan.model.threads
             )
             start = time.perf_counter()
-            result = via.run(cold, display) if via is not None else cold.run(display)
-            result.pop("node", None)
-            payload["resources"].update(result)
-            payload.setdefault("phases_s", {})["cold_start"] = round(time.perf_counter() - start, 3)
+            got = via.run(cold, display) if via is not None else cold.run(display)
+            result.resources.startup_cold_s, result.resources.startup_cold_note = got.seconds, got.note
+            result.phases_s["cold_start"] = round(time.perf_counter() - start, 3)
+            result.mark("cold_start")
+            result.write(self.raw_dir / result_name(variant, result.repeat))
 
-    def keep(self, variant: str, repeat: int, payload: dict[str, Any]) -> None:
-        """One variant-repeat's raw result written and kept (a failure too: it is data)."""
-        payload.setdefault("variant", variant)
-        payload.setdefault("repeat", repeat)
-        _write_json(self.raw_dir / f"{safe_name(variant)}.{repeat}.json", payload)
-        self.raws.append(payload)
+    def keep(self, result: VariantResult) -> None:
+        """One variant-repeat's result written whole and kept (a failure too: it is data)."""
+        if result.status == "partial":
+            result.status = "ok"
+        result.write(self.raw_dir / result_name(result.variant, result.repeat))
+        self.raws = [r for r in self.raws if (r.variant, r.repeat) != (result.variant, result.repeat)]
+        self.raws.append(result)
 
     def assemble(self) -> Report:
         """The report so far: a run stopped here (even by SIGKILL) leaves report.json, .md and .csv, and
@@ -381,30 +468,27 @@ class RunContext:
         return report
 
 
-def failed_payload(variant: str, repeat: int, error: str) -> dict[str, Any]:
-    return {"variant": variant, "repeat": repeat, "status": "failed", "error": error}
-
-
 def one_repeat(
     ctx: RunContext, variant: str, repeat: int, artifact: Artifact | None, build_error: str | None,
     display: Display, started: float,
-) -> tuple[dict[str, Any], list[QueryRecord]]:  # fmt: skip
-    """One variant-repeat measured (the first also timed from cold): its raw payload and records,
-    or a failure's payload and none."""
+) -> tuple[VariantResult, list[QueryRecord]]:  # fmt: skip
+    """One variant-repeat measured (the first also timed from cold): its result and records,
+    or a failure's result and none."""
     try:
         if build_error:
             raise JobFailed(build_error)
-        payload = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
-        records = [QueryRecord.from_json(r) for r in payload.pop("records")]
+        result: VariantResult = ctx.executor.run(ctx.job(variant, repeat, artifact), display)
+        records = [QueryRecord.from_json(r) for r in result.records or []]
+        result.records = None
         if repeat == 0:  # on the executor's hardware where its jobs run elsewhere (Ray)
             elsewhere = ctx.executor if isinstance(ctx.executor, Concurrent) else None
-            ctx.cold_start(variant, artifact, payload, display, via=elsewhere)
-        payload["wall_s"] = round(time.perf_counter() - started, 3)
+            ctx.cold_start(variant, artifact, result, display, via=elsewhere)
+        result.wall_s = round(time.perf_counter() - started, 3)
         display.finish("done")
-        return payload, records
+        return result, records
     except Exception as exc:  # noqa: BLE001 - a failed variant is data, the run goes on
         display.finish("[red]failed[/red]")
-        return failed_payload(variant, repeat, str(exc)), []
+        return failed(variant, repeat, str(exc)), []
 
 
 def _measure_one_by_one(ctx: RunContext, progress: Progress) -> Report:
@@ -415,9 +499,11 @@ def _measure_one_by_one(ctx: RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            payload, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
+            if ctx.whole(variant, repeat):
+                continue
+            result, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             ctx.records.extend(records)
-            ctx.keep(variant, repeat, payload)
+            ctx.keep(result)
         report = ctx.assemble()
         run = report.run(variant)
         if run is not None and run.status == "ok":
@@ -438,10 +524,12 @@ def _measure_at_once(ctx: RunContext, progress: Progress) -> Report:
         started = time.perf_counter()
         artifact, build_error = build_or_error(ctx, variant, display)
         for repeat in range(ctx.plan.analysis.repeats):
-            payload, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
+            if ctx.whole(variant, repeat):
+                continue
+            result, records = one_repeat(ctx, variant, repeat, artifact, build_error, display, started)
             with lock:
                 ctx.records.extend(records)
-                ctx.keep(variant, repeat, payload)
+                ctx.keep(result)
                 ctx.assemble()
 
     with ThreadPoolExecutor(max_workers=min(len(ctx.order), ctx.executor.capacity())) as pool:
@@ -465,26 +553,34 @@ def _measure_interleaved(ctx: RunContext, progress: Progress, console: Console) 
     executor = ctx.executor
     assert isinstance(executor, Resident)
     for repeat in range(ctx.plan.analysis.repeats):
-        jobs = {v: ctx.job(v, repeat, built[v]) for v in ctx.order if v not in errors}
+        jobs = {
+            v: ctx.job(v, repeat, built[v]) for v in ctx.order if v not in errors and not ctx.whole(v, repeat)
+        }
+        if not jobs and not errors:
+            continue  # a resumed run: this repeat was whole
+        kept = {v: [r for r in ctx.records if r.run_id == j.load.run_id and r.variant == v]
+                for v, j in jobs.items() if j.resume is not None}  # fmt: skip
         started = time.perf_counter()
         outcome = run_interleaved(executor, jobs, ctx.plan, on_event=lambda v: displays[v],
-                                  say=lambda m: console.print(f"[dim]{m}[/dim]"))  # fmt: skip
+                                  say=lambda m: console.print(f"[dim]{m}[/dim]"), kept=kept)  # fmt: skip
         wall = round(time.perf_counter() - started, 3)
         for variant in ctx.order:
-            ctx.records.extend(outcome.records.get(variant, []))
+            if variant not in jobs and variant not in errors:
+                continue
+            ctx.records.extend(r for r in outcome.records.get(variant, []) if r not in kept.get(variant, ()))
             error = errors.get(variant) or outcome.failures.get(variant)
             if error:
-                payload = failed_payload(variant, repeat, error)
+                result = failed(variant, repeat, error)
                 displays[variant].finish("[red]failed[/red]")
             else:
-                payload = outcome.payloads[variant]
+                result = outcome.results[variant]
                 if repeat == 0:
-                    ctx.cold_start(variant, built[variant], payload, displays[variant])
-                payload["wall_s"] = wall
+                    ctx.cold_start(variant, built[variant], result, displays[variant])
+                result.wall_s = wall
                 displays[variant].finish("done")
-            ctx.keep(variant, repeat, payload)
-        ctx.header.execution.setdefault("repeats", []).append(
-            {"repeat": repeat, "rounds": outcome.rounds, "looks": outcome.looks, "stopped": outcome.stopped}
+            ctx.keep(result)
+        ctx.header.execution.repeats.append(
+            Rounds(repeat=repeat, rounds=outcome.rounds, looks=outcome.looks, stopped=outcome.stopped)
         )
         report = ctx.assemble()
     return report
@@ -504,15 +600,15 @@ def _build(executor: Executor, base_dir: str, spec: VariantSpec, seed: int, disp
     """The variant's artifact: built by a job (its own process on the local executor) when it needs one."""
     if not spec.needs_build:
         return plain_artifact(base_dir)
-    result = executor.run(BuildJob(base_dir, spec, seed), display)
-    return result["artifact"]
+    artifact: Artifact = executor.run(BuildJob(base_dir, spec, seed), display)
+    return artifact
 
 
 def write_outputs(
     report: Report,
     out: Path,
     records: list[QueryRecord],
-    raws: list[dict[str, Any]],
+    raws: list[VariantResult],
     csv: bool = False,
     html: bool = True,
 ) -> None:
@@ -542,28 +638,69 @@ def write_outputs(
 
 
 def rebuild_report(folder: Path) -> Report:
-    """report.json and report.md recomputed from the query log and raw/*.json alone."""
+    """report.json, .md and .html recomputed from the query log and raw/ alone. A run that was killed
+    or failed halfway rebuilds too: every variant with a measured query is in it (from its partial
+    result, or from the log alone), and what it lacks is named (``RunReport.incomplete``)."""
     report_path, log_path, raw_dir = folder / "report.json", folder / "queries.jsonl", folder / "raw"
-    for needed in (report_path, log_path, raw_dir):
+    for needed in (report_path, log_path):
         if not needed.exists():
             raise UserError(f"{folder} is not a complete run folder: {needed.name} is missing")
     try:
         old = Report.read(report_path)
         plan = Plan.model_validate(old.plan)
-        raws = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(raw_dir.glob("*.json"))]
+        raws = read_results(raw_dir) if raw_dir.is_dir() else []
         records = read_log(log_path)
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot read the run in {folder}: {str(exc).splitlines()[0]}") from None
-    order = [r.variant for r in old.runs] or None
+    raws += from_log_alone(records, raws, plan)
+    planned = [r.variant for r in old.runs] or list(plan.ordered_variants())
+    order = [v for v in planned if any(r.variant == v for r in raws)]
+    order += [v for v in dict.fromkeys(r.variant for r in raws) if v not in order]
     report = assemble(old, plan, raws, records, order=order)
+    report.not_started = [v for v in plan.ordered_variants() if v not in order and not plan.served]
     write_outputs(report, folder, records, raws, csv=plan.output.csv)
     return report
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    tmp.replace(path)
+def from_log_alone(records: list[QueryRecord], raws: list[VariantResult], plan: Plan) -> list[VariantResult]:
+    """A result for each variant-repeat whose queries are in the log but whose result file is not
+    (written by a version that saved results only at the end): its queries are its measurement."""
+    known = {(r.run_id, name) for r in raws for name in (r.variant, r.name)}
+    found: dict[tuple[str, str], QueryRecord] = {}
+    for rec in records:
+        if (rec.run_id, rec.variant) not in known:
+            found.setdefault((rec.run_id, rec.variant), rec)
+    out = []
+    for (run_id, variant), first in found.items():
+        if "@" in run_id:  # a find-peak trial: only the best one is summarized, by its result
+            continue
+        repeat = int(run_id.rsplit("#", 1)[1]) if "#" in run_id else 0
+        out.append(VariantResult(variant=variant, repeat=repeat, status="log-only", run_id=run_id,
+                                 scenario=first.scenario, is_standard=variant == plan.standard_variant,
+                                 done=["scenario"], expected=list(planned_phases(plan))))  # fmt: skip
+    return out
+
+
+def planned_phases(plan: Plan) -> tuple[str, ...]:
+    """The phases a local variant's result holds when whole, by the plan alone."""
+    from variantbench.report.results import PHASES
+
+    a, q = plan.analysis, plan.quality
+    timed = plan.is_timed and not plan.served
+    asked = {"load": True, "scenario": True, "batch": timed and a.batch_rounds > 0,
+             "fidelity": q.fidelity and not plan.served, "likelihood": q.likelihood,
+             "lm_eval": bool(q.lm_eval and q.lm_eval.tasks), "diagnosis": timed and a.diagnose,
+             "cold_start": timed and a.cold_start}  # fmt: skip
+    return tuple(p for p in PHASES if asked[p])
+
+
+def result_name(variant: str, repeat: int) -> str:
+    return f"{safe_name(variant)}.{repeat}.json"
+
+
+def read_results(raw_dir: Path) -> list[VariantResult]:
+    """Every result in ``raw/`` (any version, through ``migrate``)."""
+    return [read_result(f) for f in sorted(raw_dir.glob("*.json"))]
 
 
 def safe_name(name: str) -> str:

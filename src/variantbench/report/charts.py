@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from variantbench.metrics.windows import block_spans, outliers, windows
-from variantbench.records import QueryRecord, counted
+from variantbench.records import QueryRecord
+from variantbench.report.results import VariantResult, counted
 from variantbench.report.schema import Report
 from variantbench.report.summary import inter_token_ms
 from variantbench.trackers.resources import sample_from_row
@@ -45,13 +46,13 @@ class Inputs:
 
     report: Report
     records: dict[str, list[QueryRecord]]
-    raws: list[dict[str, Any]]
+    raws: list[VariantResult]
 
     @classmethod
-    def of(cls, report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]]) -> Inputs:
+    def of(cls, report: Report, records: Iterable[QueryRecord], raws: list[VariantResult]) -> Inputs:
         """Only the records the report counted (``records.counted``), keyed by variant."""
         raws = list(raws)
-        return cls(report, counted(records, raws), [raw for raw in raws if raw.get("status") != "failed"])
+        return cls(report, counted(records, raws), [raw for raw in raws if raw.measured])
 
     @property
     def variants(self) -> list[str]:
@@ -64,7 +65,7 @@ class Inputs:
     def origin_ns(self) -> int:
         """The run's first moment on the monotonic clock every worker process shares (CLOCK_MONOTONIC)."""
         times = [r.scheduled_ns for recs in self.records.values() for r in recs]
-        times += [row[0] for raw in self.raws for row in raw.get("resource_samples") or []]
+        times += [row[0] for raw in self.raws for row in raw.resource_samples]
         return min(times, default=0)
 
 
@@ -362,20 +363,20 @@ def resources(data: Inputs) -> Chart:
                   "Memory (RSS) and CPU of each variant's worker process while it was measured; in an "
                   "interleaved run the variants take turns, so each line is busy only in its own blocks. "
                   "100% CPU is one core.")  # fmt: skip
-    raws = [r for r in data.raws if r.get("resource_samples")]
+    raws = [r for r in data.raws if r.resource_samples]
     if not raws:
         chart.missing = "no resource samples (the variants failed before measuring, or the run predates them)"
         return chart
-    has_gpu = any(len(row) > 3 for r in raws for row in r["resource_samples"])
+    has_gpu = any(len(row) > 3 for r in raws for row in r.resource_samples)
     titles = ["resident memory", "CPU"] + (["GPU utilization", "GPU memory"] if has_gpu else [])
     fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=titles)  # fmt: skip
     origin = data.origin_ns()
     order = {v: i for i, v in enumerate(data.variants)}
-    for raw in sorted(raws, key=lambda r: (order.get(r.get("variant"), 99), r.get("repeat", 0))):
-        variant = raw.get("variant", "?")
-        name = variant if not raw.get("repeat") else f"{variant} (repeat {raw['repeat']})"
-        rows = raw["resource_samples"]
+    for raw in sorted(raws, key=lambda r: (order.get(r.variant, 99), r.repeat)):
+        variant = raw.variant
+        name = variant if not raw.repeat else f"{variant} (repeat {raw.repeat})"
+        rows = raw.resource_samples
         line = {"color": data.color(variant), "width": 1.5}
         panels: list[Any] = [lambda seg: [row[1] / 1e6 for row in seg], _cpu_percent]
         if has_gpu:
@@ -438,16 +439,17 @@ def batch_throughput(data: Inputs) -> Chart:
     chart = Chart("batch", "Decode throughput at batch 8",
                   "Tokens/s decoding 8 sequences at once, measured in interleaved rounds (mean and 95% "
                   "t-interval): the batch profile ranks by it; overlapping bars are not a difference.")  # fmt: skip
-    runs = [r for r in data.report.runs if r.batch_throughput and r.batch_throughput.get("tokens_per_s")]
+    runs = [r for r in data.report.runs if r.batch_throughput and r.batch_throughput.tokens_per_s]
     if not runs:
         chart.missing = (
             "batch rounds were not measured (an endpoint, find-peak or a backend without batching)"
         )
         return chart
     chart.figure = _variant_bars(
-        data, [(r.variant, r.batch_throughput["tokens_per_s"]) for r in runs], "decode tokens/s at batch 8",
-        "%{y:.1f} tokens/s", lows=[r.batch_throughput.get("ci_low") for r in runs],
-        highs=[r.batch_throughput.get("ci_high") for r in runs])  # fmt: skip
+        data, [(r.variant, r.batch_throughput.tokens_per_s) for r in runs if r.batch_throughput],
+        "decode tokens/s at batch 8", "%{y:.1f} tokens/s",
+        lows=[r.batch_throughput.ci_low for r in runs if r.batch_throughput],
+        highs=[r.batch_throughput.ci_high for r in runs if r.batch_throughput])  # fmt: skip
     return chart
 
 
@@ -484,14 +486,14 @@ def server_view(data: Inputs) -> Chart:
                   "exposed). Latency that rises with the waiting queue is queueing, not compute.")  # fmt: skip
     from variantbench.trackers.server_metrics import key_series
 
-    served = {raw["variant"]: raw["server_metrics"] for raw in data.raws if raw.get("server_metrics")}
+    served = {raw.variant: raw.server_metrics for raw in data.raws if raw.server_metrics}
     if not served:
         chart.applies = False
         return chart
-    series = {v: key_series(m.get("samples") or []) for v, m in served.items()}
+    series = {v: key_series(m.samples) for v, m in served.items()}
     kinds = list(dict.fromkeys(k for per in series.values() for k in per))
     if not kinds:
-        errors = sorted({m.get("error") for m in served.values() if m.get("error")})
+        errors = sorted({m.error for m in served.values() if m.error})
         chart.missing = ("no server-side series: " + "; ".join(errors)) if errors else (
             "the server exposes no /metrics series we know")  # fmt: skip
         return chart

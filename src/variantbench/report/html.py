@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 import json
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -21,7 +20,8 @@ from variantbench.report.charts import Chart, Inputs, all_charts
 from variantbench.report.pages import e as _e
 from variantbench.report.pages import figure, page, write_page
 from variantbench.report.pages import table as _table
-from variantbench.report.schema import Report, RunReport
+from variantbench.report.results import VariantResult
+from variantbench.report.schema import BatchThroughput, Report, RunReport
 
 
 def _num(value: float | None, fmt: str = ",.1f") -> str:
@@ -36,22 +36,15 @@ def _interval(value: float | None, low: float | None, high: float | None, fmt: s
     return f"{value:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
 
 
-def notices(report: Report, raws: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+def notices(report: Report, raws: list[VariantResult]) -> list[tuple[str, bool]]:
     """What a reader must know before trusting the page: failures, variants never measured, INVALID runs."""
     out: list[tuple[str, bool]] = []
+    for line in report.stopped():  # killed halfway, failed, never started: what it lacks and why
+        out.append((line, True))
     for run in report.runs:
-        if run.status != "ok":
-            out.append((f"{run.variant} failed: {run.error or 'no error recorded'}", True))
-        elif run.validity.verdict != "VALID":
+        if run.status == "ok" and run.validity.verdict != "VALID":
             out.append((f"{run.variant} is INVALID: {'; '.join(run.validity.reasons) or 'see the validity checks'}",
                         False))  # fmt: skip
-    planned = [str(v) for v in report.plan.get("variants") or []]
-    measured = {r.variant for r in report.runs}
-    never = [v for v in planned if v.split("=")[0] not in measured and v not in measured]
-    if never:
-        out.append(
-            (f"not measured (the run stopped before them, or they failed to start): {', '.join(never)}", True)
-        )
     if report.runs and not raws:
         out.append(("raw/ is empty: resource, batch and diagnosis charts cannot be drawn", False))
     return out
@@ -75,7 +68,7 @@ def _recommendations(report: Report) -> str:
 
 
 def _headline_row(run: RunReport) -> list[str]:
-    batch = run.batch_throughput or {}
+    batch = run.batch_throughput or BatchThroughput(batch=0, new_tokens=0)
     vs = run.quality_vs_standard
     cost = run.cost
     cost_ci = (cost.per_million_output_tokens_ci if cost else None) or [None, None]
@@ -86,7 +79,7 @@ def _headline_row(run: RunReport) -> list[str]:
         _num(run.ttft_ms.p50, ",.0f"),
         _num(run.tpot_ms.p50, ",.1f"),
         _num(run.throughput.output_tokens_per_s),
-        _interval(batch.get("tokens_per_s"), batch.get("ci_low"), batch.get("ci_high")),
+        _interval(batch.tokens_per_s, batch.ci_low, batch.ci_high),
         _num(run.quality.composite, ".3f"),
         _num(vs.ratio * 100 if vs and vs.ratio is not None else None, ".1f") + (f" {vs.gate}" if vs else ""),
         _num(run.quality.kl_mean, ".3g"),
@@ -116,7 +109,7 @@ def _environment(report: Report) -> str:
     return _table(["", "value"], rows, numeric_from=99)
 
 
-def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]]) -> str:
+def render(report: Report, records: Iterable[QueryRecord], raws: list[VariantResult]) -> str:
     charts = all_charts(Inputs.of(report, records, raws))
     model = report.model.get("name") or report.model.get("source") or "model"
     parts = [
@@ -136,14 +129,12 @@ def render(report: Report, records: Iterable[QueryRecord], raws: list[dict[str, 
     parts += [_chart(c) for c in charts if c.applies]
     execution = report.execution
     parts += ["<h2>How it was run</h2>",
-              f"<p class='caption'>{'Interleaved' if execution.get('interleaved') else 'One variant after another'}"
-              f"{': ' + _e(execution.get('why_not')) if execution.get('why_not') else ''}.</p>",
+              f"<p class='caption'>{'Interleaved' if execution.interleaved else 'One variant after another'}"
+              f"{': ' + _e(execution.why_not) if execution.why_not else ''}.</p>",
               "<h3>Environment</h3>", _environment(report),
               "<h3>Plan</h3>", f"<pre>{_e(yaml.safe_dump(report.plan, sort_keys=False))}</pre>"]  # fmt: skip
     return page(f"variantbench: {model}", parts)
 
 
-def write_html(
-    report: Report, records: Iterable[QueryRecord], raws: list[dict[str, Any]], path: Path
-) -> None:
+def write_html(report: Report, records: Iterable[QueryRecord], raws: list[VariantResult], path: Path) -> None:
     write_page(render(report, records, raws), path)

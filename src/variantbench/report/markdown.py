@@ -41,16 +41,18 @@ def summary_lines(report: Report) -> list[str]:
     if diag:
         lines += ["", "Where a variant is slower than the standard:", ""]
         lines += [f"- {d}" for d in diag]
-    undecided = [c for c in report.comparisons if c["state"] == "undecided"]
+    undecided = [c for c in report.comparisons if c["state"] == "undecided"
+                 and c.get("ratio") is not None and c.get("ci_low") is not None]  # fmt: skip
     if undecided:
         lines += ["", "Comparisons the measurements could not decide (treated as ties above):", ""]
         lines += [f"- {c['a']} vs {c['b']} on {c['metric']}: {c['ratio']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]"
                   + (f"; about {c['more_samples']} samples in all ({c['pairs']} so far) would likely decide it"
                      if c.get("more_samples") else "")
-                  for c in undecided if c.get("ratio") is not None and c.get("ci_low") is not None]  # fmt: skip
-    failed = [r for r in report.runs if r.status != "ok"]
-    if failed:
-        lines += ["", "Variants that did not run:", ""] + [f"- {r.variant}: {r.error}" for r in failed]
+                  for c in undecided]  # fmt: skip
+    stopped = report.stopped()
+    if stopped:
+        lines += ["", "**The run did not finish** (`variantbench run --resume DIR` goes on); the decision above "
+                  "reads only what was measured:", ""] + [f"- {line}" for line in stopped]  # fmt: skip
     return lines
 
 
@@ -195,26 +197,24 @@ def _ab(report: Report) -> list[str]:
 def _execution(report: Report) -> list[str]:
     """How the variants shared the machine, and why the run stopped when it did."""
     e = report.execution
-    if not e:
+    if e.executor is None:  # a report from before the execution was recorded
         return []
-    if e.get("interleaved"):
+    if e.interleaved:
         lines = ["Interleaved: every variant loaded at once, each in its own process, measured in turns "
                  "(single-stream: one query each per round, the order rotated; other scenarios: short "
                  "blocks in a seeded random order), so a drift of the machine lands on all alike."]  # fmt: skip
-        for rep in e.get("repeats", []):
-            looks = rep.get("looks") or []
-            last = looks[-1] if looks else {}
+        for rep in e.repeats:
+            last = rep.looks[-1] if rep.looks else None
             lines.append(
-                f"Repeat {rep['repeat']}: {rep['rounds']} rounds, {len(looks)} look(s) at "
-                f"{_f(last.get('confidence', 0) * 100, '.2f')}% confidence each; stopped: {rep.get('stopped')}."
+                f"Repeat {rep.repeat}: {rep.rounds} rounds, {len(rep.looks)} look(s) at "
+                f"{_f((last.confidence if last else 0) * 100, '.2f')}% confidence each; stopped: {rep.stopped}."
             )
-    elif e.get("nodes", 0) > 1:
-        lines = [
-            f"At once on {e.get('executor')}: {e['nodes']} nodes, each variant's jobs on a node of its own."
-        ]
+    elif (e.nodes or 0) > 1:
+        lines = [f"At once on {e.executor}: {e.nodes} nodes, each variant's jobs on a node of its own."]
     else:
-        lines = ["Not interleaved: one variant after the other"
-                 + (f" ({e['why_not']})" if e.get("why_not") else "") + "."]  # fmt: skip
+        lines = [
+            "Not interleaved: one variant after the other" + (f" ({e.why_not})" if e.why_not else "") + "."
+        ]
     for r in report.runs:
         node = r.backend.get("node")
         if node:

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"  # 1.5: typed batch_throughput, incomplete (a run that stopped)
 
 
 class _Model(BaseModel):
@@ -272,11 +272,22 @@ class Outliers(_Model):
     trimmed_output_tokens_per_s: float | None = None
 
 
+class PeakTrial(_Model):
+    """One rate a find-peak search tried."""
+
+    rate_qps: float
+    passed: bool
+    latency_p99_ms: float | None = None
+    achieved_qps: float | None = None
+    reasons: list[str] = Field(default_factory=list)
+    run_id: str = ""
+
+
 class PeakSearch(_Model):
     """``--find-peak``: the highest server rate whose latency targets passed, and every trial."""
 
     peak_qps: float | None = None
-    trials: list[dict[str, Any]] = Field(default_factory=list)
+    trials: list[PeakTrial] = Field(default_factory=list)
 
 
 class Goodput(_Model):
@@ -286,6 +297,28 @@ class Goodput(_Model):
     requests_per_s: float | None = None
     met: int = 0
     share: float | None = None  # of the issued requests
+
+
+class BatchThroughput(_Model):
+    """Decode tokens/s at ``batch`` requests at once, measured several times (interleaved): the mean,
+    its 95% t-interval and every value."""
+
+    batch: int
+    new_tokens: int
+    values: list[float] = Field(default_factory=list)
+    tokens_per_s: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+class Incomplete(_Model):
+    """A variant whose result is not whole: the run stopped while it was measured (killed), or only
+    its queries in the log are left. Its latency and throughput are those of the queries it answered."""
+
+    status: str  # "partial" | "log-only"
+    why: str
+    missing: list[str] = Field(default_factory=list)  # phases asked of it that did not finish
+    done: list[str] = Field(default_factory=list)
 
 
 class Queries(_Model):
@@ -341,10 +374,40 @@ class RunReport(_Model):
     diagnosis: Diagnosis | None = None
     repeats: list[dict[str, Any]] = Field(default_factory=list)  # --repeats: each run's key numbers
     # decode tokens/s at batch 8, measured several times (interleaved): mean, 95% t-interval, values
-    batch_throughput: dict[str, Any] | None = None
+    batch_throughput: BatchThroughput | None = None
+    incomplete: Incomplete | None = None  # None: every phase asked of it finished
     queries: Queries = Field(default_factory=Queries)
     input_tokens: Tail = Field(default_factory=Tail)
     output_tokens: Tail = Field(default_factory=Tail)
+
+
+class Look(_Model):
+    """One look of an interleaved run at its data: how far it was, at what confidence, what was open."""
+
+    look: int
+    queries_per_variant: int
+    confidence: float
+    undecided: list[str] = Field(default_factory=list)
+
+
+class Rounds(_Model):
+    """One repeat of an interleaved run: its rounds, its looks and why it stopped."""
+
+    repeat: int
+    rounds: int
+    looks: list[Look] = Field(default_factory=list)
+    stopped: str = ""
+
+
+class Execution(_Model):
+    """How the variants shared the machine: in turns (interleaved) or not and why not, where."""
+
+    interleaved: bool = False
+    why_not: str | None = None
+    executor: str | None = None
+    nodes: int | None = None  # a concurrent executor's nodes (Ray), each variant on one
+    run_id: str | None = None  # the records' run id (a resumed run keeps it)
+    repeats: list[Rounds] = Field(default_factory=list)
 
 
 class Report(_Model):
@@ -360,11 +423,26 @@ class Report(_Model):
     ceilings: dict[str, Any] = Field(default_factory=dict)  # measured matmul GFLOP/s and memory GB/s
     recommendations: dict[str, Any] = Field(default_factory=dict)  # profile -> {variant, reasons, ...}
     # how the variants were run: interleaved or not (and why not), rounds, looks, why it stopped
-    execution: dict[str, Any] = Field(default_factory=dict)
+    execution: Execution = Field(default_factory=Execution)
     # every pair of variants on paired throughput: faster, slower, tied or undecided, with intervals
     comparisons: list[dict[str, Any]] = Field(default_factory=list)
     # tasks whose scores carry no information: every variant scored every sample the same
     uninformative_tasks: dict[str, str] = Field(default_factory=dict)
+    # planned variants with neither a query nor a result: the run stopped (or failed) before them
+    not_started: list[str] = Field(default_factory=list)
+
+    def stopped(self) -> list[str]:
+        """One line per variant the run did not finish: what it measured, what it lacks and why."""
+        lines = []
+        for run in self.runs:
+            if run.incomplete is not None:
+                missing = ", ".join(run.incomplete.missing) or "nothing asked of it"
+                lines.append(f"{run.variant}: {run.queries.issued} queries measured; {run.incomplete.why}; "
+                             f"missing: {missing}")  # fmt: skip
+            elif run.status != "ok":
+                lines.append(f"{run.variant}: failed: {run.error or 'no error recorded'}")
+        lines += [f"{v}: never started (the run stopped before it)" for v in self.not_started]
+        return lines
 
     def run(self, variant: str) -> RunReport | None:
         return next((r for r in self.runs if r.variant == variant), None)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from variantbench.records import QueryRecord
-from variantbench.report.schema import Report, RunReport
+from variantbench.report.schema import BatchThroughput, Report, RunReport
 
 
 def _ratio(prefix: str, r: Any) -> dict[str, Any]:
@@ -24,14 +24,14 @@ def run_row(report: Report, run: RunReport) -> dict[str, Any]:
     """One variant run, flat: the headline numbers of the report with their intervals."""
     cost, res, ab, vs = run.cost, run.resources, run.ab_vs_standard, run.quality_vs_standard
     cost_ci = (cost.per_million_output_tokens_ci if cost else None) or [None, None]
-    batch = run.batch_throughput or {}
+    batch = run.batch_throughput or BatchThroughput(batch=0, new_tokens=0)
     row: dict[str, Any] = {
         "variant": run.variant,
         "status": run.status,
         "error": run.error,
         "standard": report.standard,
         "scenario": run.scenario,
-        "interleaved": bool(report.execution.get("interleaved")),
+        "interleaved": report.execution.interleaved,
         "queries_issued": run.queries.issued,
         "queries_errors": run.queries.errors,
         "duration_s": run.duration_s,
@@ -47,9 +47,9 @@ def run_row(report: Report, run: RunReport) -> dict[str, Any]:
         "output_tokens_per_s": run.throughput.output_tokens_per_s,
         "prefill_tokens_per_s": run.speed.prefill_tokens_per_s,
         "decode_tokens_per_s": run.speed.decode_tokens_per_s,
-        "batch8_decode_tokens_per_s": batch.get("tokens_per_s"),
-        "batch8_decode_tokens_per_s_ci_low": batch.get("ci_low"),
-        "batch8_decode_tokens_per_s_ci_high": batch.get("ci_high"),
+        "batch8_decode_tokens_per_s": batch.tokens_per_s,
+        "batch8_decode_tokens_per_s_ci_low": batch.ci_low,
+        "batch8_decode_tokens_per_s_ci_high": batch.ci_high,
         "quality_composite": run.quality.composite,
         "quality_vs_standard_ratio": vs.ratio if vs else None,
         "perplexity": run.quality.perplexity,

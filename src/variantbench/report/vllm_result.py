@@ -15,7 +15,8 @@ import statistics
 from typing import Any
 
 from variantbench.metrics.latency import percentile
-from variantbench.records import QueryRecord, counted
+from variantbench.records import QueryRecord
+from variantbench.report.results import VariantResult, counted
 from variantbench.report.schema import Report, RunReport
 from variantbench.report.summary import gaps_ms, metric_values
 
@@ -67,7 +68,7 @@ def result(report: Report, run: RunReport, records: list[QueryRecord]) -> dict[s
 
 
 def write_vllm_results(
-    report: Report, records: list[QueryRecord], raws: list[dict[str, Any]], out: Path
+    report: Report, records: list[QueryRecord], raws: list[VariantResult], out: Path
 ) -> None:
     by_variant = counted(records, raws)
     for run in report.runs:

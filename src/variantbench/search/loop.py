@@ -42,14 +42,15 @@ from variantbench.pipeline.run import (
     Display,
     RunContext,
     build_or_error,
-    failed_payload,
     one_repeat,
     prepare,
+    result_name,
     run_progress,
     safe_name,
 )
 from variantbench.plan import Plan
 from variantbench.records import QueryRecord
+from variantbench.report.results import VariantResult, failed
 from variantbench.report.schema import Report, RunReport
 from variantbench.search.objectives import Objective, beaten_by, dominates
 from variantbench.search.space import SearchSpace
@@ -243,8 +244,8 @@ class _Searcher:
                 if t.state.is_finished() and t.user_attrs.get("state") != "repeat"]  # fmt: skip
         left = self.s.budget - len(done)
         for raw in ctx.raws:  # trials measured by earlier sessions stay in the report
-            if raw.get("variant") and raw["variant"] not in ctx.order:
-                ctx.order.append(raw["variant"])
+            if raw.variant not in ctx.order:
+                ctx.order.append(raw.variant)
         if resume:
             self.console.print(f"[dim]resuming the search in {ctx.plan.out}: {len(done)} trial(s) finished, "
                                f"{max(left, 0)} to go[/dim]")  # fmt: skip
@@ -253,7 +254,7 @@ class _Searcher:
         at_once = ctx.executor.capacity() if isinstance(ctx.executor, Concurrent) else 1
         repeats = 0
         with run_progress(self.console) as progress:
-            if not any(r.get("variant") == self.standard for r in ctx.raws):
+            if not any(r.variant == self.standard for r in ctx.raws):
                 self._measure_whole(self.standard, progress)  # the reference every quality ratio needs
             self.report = ctx.assemble()
             while left > 0 and repeats < MAX_REPEATS:
@@ -359,8 +360,8 @@ class _Searcher:
     def _measure_whole(self, name: str, progress: Any) -> tuple[str, dict[str, float] | None, str]:
         display = Display(progress, name)
         artifact, error = build_or_error(self.ctx, name, display)
-        payload, records = one_repeat(self.ctx, name, 0, artifact, error, display, time.perf_counter())
-        return self._kept(name, payload, records, display)
+        result, records = one_repeat(self.ctx, name, 0, artifact, error, display, time.perf_counter())
+        return self._kept(name, result, records, display)
 
     def _measure_staged(self, name: str, progress: Any) -> tuple[str, dict[str, float] | None, str]:
         from variantbench.pipeline.assemble import summarize_payload
@@ -369,9 +370,7 @@ class _Searcher:
         display = Display(progress, name)
         artifact, error = build_or_error(ctx, name, display)
         if error is not None:
-            return self._kept(
-                name, {"variant": name, "repeat": 0, "status": "failed", "error": error}, [], display
-            )
+            return self._kept(name, failed(name, 0, error), [], display)
         job = ctx.job(name, 0, artifact)
         total = pass_size(job.load)
         first = max(1, min(total - 1, math.ceil(total * self.s.first_share))) if total > 1 else total
@@ -381,9 +380,7 @@ class _Searcher:
         try:
             session = ctx.executor.open(job, display)
         except JobFailed as exc:
-            return self._kept(
-                name, {"variant": name, "repeat": 0, "status": "failed", "error": str(exc)}, [], display
-            )
+            return self._kept(name, failed(name, 0, str(exc)), [], display)
         try:
             for index, (start, n) in enumerate(blocks):
                 settings = replace(job.load, first_query=start, min_queries=n, max_queries=n, min_duration_s=0.0,
@@ -410,26 +407,26 @@ class _Searcher:
                 from variantbench.pipeline.measure import BATCH_NEW, BATCH_SIZE
 
                 session.call("batch_rate", BATCH_SIZE, BATCH_NEW, on_event=display)
-            payload = session.call("finish", on_event=display)
+            result = session.call("finish", on_event=display)
         except JobFailed as exc:
-            payload = failed_payload(name, 0, str(exc))
+            result = failed(name, 0, str(exc))
             records = []
         finally:
             session.close()
-        return self._kept(name, payload, records, display)
+        return self._kept(name, result, records, display)
 
-    def _kept(self, name: str, payload: dict[str, Any], records: list[QueryRecord], display: Display
+    def _kept(self, name: str, result: VariantResult, records: list[QueryRecord], display: Display
               ) -> tuple[str, dict[str, float] | None, str]:  # fmt: skip
         """The trial's result in the run folder (raw/, the log, report.*) and its objective values."""
         ctx = self.ctx
         with self.lock:
             ctx.records.extend(records)
-            ctx.keep(name, 0, payload)
+            ctx.keep(result)
             self.report = ctx.assemble()
             run = self.report.run(name)
-        if payload.get("status") == "failed" or run is None or run.status != "ok":
+        if result.status == "failed" or run is None or run.status != "ok":
             display.finish("[red]failed[/red]")
-            return "failed", None, str(payload.get("error") or (run.error if run else "no result"))
+            return "failed", None, str(result.error or (run.error if run else "no result"))
         values = self._read(run)
         missing = [o.name for o in self.s.objectives if values.get(o.name) is None]
         if missing:
@@ -442,12 +439,14 @@ class _Searcher:
         display.finish("done")
         return "measured", values, ""
 
-    def _keep_pruned(self, name: str, interim: dict[str, Any], records: list[QueryRecord]) -> None:
-        """A pruned trial's interim result, apart from the report's runs (its queries are in the log)."""
+    def _keep_pruned(self, name: str, interim: VariantResult, records: list[QueryRecord]) -> None:
+        """A pruned trial's interim result, apart from the report's runs (its queries are in the log):
+        moved from raw/, where its session saved it as it went, to pruned/."""
         folder = self.ctx.plan.out / "pruned"
         folder.mkdir(exist_ok=True)
-        path = folder / f"{safe_name(name)}.json"
-        path.write_text(json.dumps({**interim, "queries": len(records)}), encoding="utf-8")
+        (self.ctx.raw_dir / result_name(name, 0)).unlink(missing_ok=True)
+        interim.status = "partial"
+        interim.write(folder / f"{safe_name(name)}.json")
 
     def _standard_run(self) -> tuple[RunReport, list[QueryRecord]] | None:
         run = self.report.run(self.standard)

@@ -49,7 +49,7 @@ def _quality(run: RunReport) -> float | None:
 
 
 def _batch(run: RunReport) -> float | None:
-    return (run.batch_throughput or {}).get("tokens_per_s")
+    return run.batch_throughput.tokens_per_s if run.batch_throughput else None
 
 
 OBJECTIVES: dict[str, Objective] = {
