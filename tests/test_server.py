@@ -402,7 +402,7 @@ def test_serve_command_rejects_bad_options_in_one_line(tiny_model_dir: Path) -> 
         (["--prefill-chunk", "0"], "prefill-chunk"),
         (["--prefix-cache-mb", "-1"], "prefix-cache-mb"),
         (["--weight-layout", "split"], "weight-layout"),
-        (["--kv-cache-gb", "0"], "kv-cache-gb must be positive"),
+        (["--kv-cache-gb", "0"], "--kv-cache-gb (serve.kv_cache_gb): Input should be greater than 0"),
         (
             ["--kv-cache-gb", "0.00001"],
             "less than one request of --max-len",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from rich.console import Console
 import typer
 
+from variantbench.cli_args import MONITOR_FLAGS, ROUTE_FLAGS, SEARCH_FLAGS, SERVE_FLAGS, FlagTable
 from variantbench.errors import UserError
 
 if TYPE_CHECKING:
@@ -43,10 +44,10 @@ def _need(extra: str, what: str) -> None:
         _fail(str(exc))
 
 
-def _flags_epilog() -> str:
+def _flags_epilog(table: FlagTable | None = None) -> str:
     from variantbench.cli_args import flag_help
 
-    rows = "\n".join(f"{flag} ({key}): {desc}" for flag, key, desc in flag_help())
+    rows = "\n".join(f"{flag} ({key}): {desc}" for flag, key, desc in flag_help(table))
     return (
         "Any setting of the plan: --set KEY.PATH=VALUE (repeatable; 'variantbench plan' shows them all).\n"
         "Everyday flags, each a shortcut for --set KEY.PATH (defaults come from the plan):\n\n" + rows
@@ -54,16 +55,23 @@ def _flags_epilog() -> str:
 
 
 _FLAGS_EPILOG = _flags_epilog()
+_SERVE_EPILOG = _flags_epilog(SERVE_FLAGS)
+_ROUTE_EPILOG = _flags_epilog(ROUTE_FLAGS)
+_MONITOR_EPILOG = _flags_epilog(MONITOR_FLAGS)
+_SEARCH_EPILOG = _flags_epilog(SEARCH_FLAGS)
 _PLAN_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["--help", "-h"]}
 
 
-def _resolve_plan(tokens: list[str], switches: tuple[str, ...] = ()) -> tuple[Plan, RunArgs]:
-    """(the plan, the parsed arguments) from ``[PLAN.yaml] [--set k=v] [--flag v]``."""
-    from variantbench.cli_args import FLAGS, parse_run_args
+def _resolve_plan(tokens: list[str], switches: tuple[str, ...] = (), table: FlagTable | None = None,
+                  command: str = "run") -> tuple[Plan, RunArgs]:  # fmt: skip
+    """(the plan, the parsed arguments) from ``[PLAN.yaml] [--set k=v] [--flag v]``, with the
+    command's own flags (``table``; run's by default)."""
+    from variantbench.cli_args import RUN_FLAGS, parse_run_args
     from variantbench.plan_file import load_plan
 
-    args = parse_run_args(tokens, switches)
-    hints = {loc: flag for flag, loc in FLAGS.items()}
+    table = table or RUN_FLAGS
+    args = parse_run_args(tokens, switches, table, command)
+    hints = {loc: flag for flag, loc in table.flags.items()}
     return load_plan(args.plan_file, args.overrides, args.flag_of, hints), args
 
 
@@ -166,56 +174,21 @@ def render_run(report: Report, plan: Plan, console: Console) -> None:
         raise typer.Exit(1)
 
 
-@app.command(context_settings=_PLAN_ARGS, epilog=_FLAGS_EPILOG)
-def search(
-    ctx: typer.Context,
-    space: Annotated[Path, typer.Option(help="the search space: recipe steps and finishes (YAML)")],
-    objectives: Annotated[
-        str,
-        typer.Option(
-            help="what to optimize, comma-separated: quality, kl, tokens_per_s, "
-            "latency_p90, ttft_p50, peak_rss, weights, batch_tokens_per_s"
-        ),
-    ] = "quality,tokens_per_s,peak_rss",  # fmt: skip
-    budget: Annotated[
-        int, typer.Option(help="trials in all (a resumed search counts the earlier ones)")
-    ] = 12,
-    sampler: Annotated[str, typer.Option(help="nsga2 (Optuna's NSGA-II), tpe or random")] = "nsga2",
-    seed: Annotated[int, typer.Option(help="the sampler's seed")] = 0,
-    population: Annotated[
-        int | None, typer.Option(help="NSGA-II's generation size (default: budget/3, 4-20)")
-    ] = None,
-    prune_margin: Annotated[
-        float,
-        typer.Option(
-            help="stop a trial that a finished one beats by this share in "
-            "every objective after its first half (0: never)"
-        ),
-    ] = 0.10,  # fmt: skip
-    fresh: Annotated[
-        bool, typer.Option(help="start over where the folder holds a search (default: resume it)")
-    ] = False,
-) -> None:
+@app.command(context_settings=_PLAN_ARGS, epilog=_SEARCH_EPILOG)
+def search(ctx: typer.Context) -> None:
     """Search recipe chains for the variants worth deploying: the Pareto front of the objectives.
 
     variantbench search [PLAN.yaml] --space SPACE.yaml [--objectives quality,tokens_per_s,peak_rss] [--budget N]
-    [--out DIR] [plan flags: --tasks, --executor ray, ...]
+    [--out DIR] [plan flags: --tasks, --executor ray, ...]; every setting is the plan's search section
     """
-    from variantbench.search.loop import SearchSettings, run_search
-    from variantbench.search.objectives import parse_objectives
-    from variantbench.search.space import load_space
+    from variantbench.search.loop import run_search
 
     console = Console(stderr=True)
     try:
-        plan, args = _resolve_plan(list(ctx.args))
+        plan, args = _resolve_plan(list(ctx.args), table=SEARCH_FLAGS, command="search")
         if not args.sets(("out",)) and args.plan_file is None:
             plan = plan.model_copy(update={"out": Path("variantbench-search")})
-        if not 0 <= prune_margin < 1:
-            raise UserError("--prune-margin must be in [0, 1)")
-        settings = SearchSettings(space=load_space(space), objectives=parse_objectives(objectives), budget=budget,
-                                  sampler=sampler, seed=seed, population=population, prune_margin=prune_margin,
-                                  fresh=fresh)  # fmt: skip
-        outcome = run_search(plan, settings, console)
+        outcome = run_search(plan, console)
     except UserError as exc:
         _fail(str(exc))
         return
@@ -435,59 +408,22 @@ def history(
         _write_page(render(rows, str(where)), plot_out)
 
 
-@app.command()
-def monitor(
-    url: Annotated[str, typer.Argument(help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")],
-    model: Annotated[
-        str | None, typer.Option(help="the served model's name (default: the server's first)")
-    ] = None,
-    every: Annotated[float, typer.Option(help="seconds from one probe's start to the next's")] = 60.0,
-    probes: Annotated[
-        int | None, typer.Option(help="stop after this many probes (default: until Ctrl-C)")
-    ] = None,
-    probe: Annotated[
-        Path | None, typer.Option(help="a plan file for the probe (default: 6 fixed samples, 16 tokens)")
-    ] = None,
-    out: Annotated[Path, typer.Option(help="monitor.jsonl and the probes' run folders")] = Path(
-        "variantbench-monitor"
-    ),
-    threshold: Annotated[
-        str,
-        typer.Option(
-            help="the smallest shift to alert on, per metric: p99_ms, ttft_p99_ms, "
-            "tokens_per_s (relative), quality (absolute drop, points of 100)"
-        ),
-    ] = "p99_ms=20%,ttft_p99_ms=20%,tokens_per_s=15%,quality=2%",
-    baseline: Annotated[int, typer.Option(help="probes that set the baseline level before any alert")] = 5,
-    metrics_port: Annotated[
-        int | None, typer.Option(help="serve the monitor's own /metrics on 127.0.0.1:PORT")
-    ] = None,
-    history: Annotated[
-        Path | None, typer.Option("--history", help="the history file (default: <cache>/history.db)")
-    ] = None,
-    record_history: Annotated[
-        bool, typer.Option("--record-history/--no-history", help="record every probe")
-    ] = True,
-    api: Annotated[str | None, typer.Option(help="completions or chat (default: the probe plan's)")] = None,
-) -> None:
+@app.command(context_settings=_PLAN_ARGS, epilog=_MONITOR_EPILOG)
+def monitor(ctx: typer.Context) -> None:
     """Watch a live OpenAI-compatible server: a small probe run every --every seconds, its /metrics
-    scraped, and a change-point detector (CUSUM) per metric that prints an ALERT line when one shifts."""
-    from variantbench.compare import parse_thresholds
-    from variantbench.monitor.detect import DIRECTIONS
-    from variantbench.monitor.watch import Monitor, MonitorSettings
+    scraped, and a change-point detector (CUSUM) per metric that prints an ALERT line when one shifts.
 
-    if every <= 0 or (probes is not None and probes < 1) or baseline < 2:
-        _fail("--every must be positive, --probes at least 1 and --baseline at least 2")
-    if probe is not None and not probe.is_file():
-        _fail(f"probe plan not found: {probe}")
+    variantbench monitor URL [PLAN.yaml] [--every S] [--probes N] [--threshold ...]; the plan's monitor section
+    """
+    from variantbench.monitor.watch import Monitor
+
     try:
-        limits = parse_thresholds(threshold, known=DIRECTIONS, option="--threshold")
-        mon = Monitor(MonitorSettings(url=url, model=model, out=out, every_s=every, probes=probes, probe_file=probe,
-                                      thresholds=limits, baseline_probes=baseline, history=history,
-                                      record_history=record_history, metrics_port=metrics_port, api=api))  # fmt: skip
+        plan, _ = _resolve_plan(list(ctx.args), table=MONITOR_FLAGS, command="monitor")
+        mon = Monitor.from_plan(plan)
     except (UserError, OSError) as exc:
         _fail(str(exc))
         return
+    url, every, baseline = mon.settings.url, mon.settings.every_s, mon.settings.baseline_probes
     console = Console(stderr=True)
     if mon.exporter.port is not None:
         console.print(f"the monitor's /metrics: http://127.0.0.1:{mon.exporter.port}/metrics")
@@ -689,219 +625,53 @@ def build(
         _fail(str(exc))
 
 
-@app.command()
-def serve(
-    variants: Annotated[
-        str, typer.Option(help="Comma-separated variants to serve (the request's model field)")
-    ] = ("fp32,int8"),
-    model: Annotated[
-        str | None,
-        typer.Option(help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"),
-    ] = None,
-    host: Annotated[
-        str, typer.Option(help="interface to bind; other than 127.0.0.1 only when you mean it")
-    ] = ("127.0.0.1"),
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    max_batch_size: Annotated[int, typer.Option(help="most requests decoding together per variant")] = 32,
-    max_wait_ms: Annotated[
-        float, typer.Option(help="longest a decode step is held open for an expected newcomer (adaptive)")
-    ] = 10.0,
-    max_queue: Annotated[int, typer.Option(help="waiting requests per priority level before 429")] = 256,
-    queue_timeout_ms: Annotated[
-        float | None, typer.Option(help="longest wait in the queue before 503 (default: none)")
-    ] = None,
-    max_len: Annotated[int, typer.Option(help="context per request (prompt + output tokens)")] = 2048,
-    prefill_chunk: Annotated[
-        int, typer.Option(help="prompt tokens per step, prefilled beside the decode rows")
-    ] = 256,
-    prefix_cache_mb: Annotated[
-        float,
-        typer.Option(
-            help="MiB of prompt-prefix keys/values kept for reuse (llama.cpp: finished prompts kept; 0: off)"
-        ),
-    ] = 256.0,
-    queue_policy: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="per priority level: LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay,ttft_slo_ms=S,"
-            "shed_late=true|false (repeatable)"
-        ),
-    ] = None,
-    ttft_slo_ms: Annotated[
-        float,
-        typer.Option(
-            help="priority 0's first-token objective (ms): less urgent prefill yields to it; 0: none"
-        ),
-    ] = 500.0,
-    kv_cache: Annotated[
-        str, typer.Option(help="torch engine: paged (blocks from a pool, memory as used) or contiguous")
-    ] = "paged",
-    kv_cache_gb: Annotated[
-        float | None,
-        typer.Option(
-            help="GiB the KV cache may hold (default: 80% of the memory available once the weights are "
-            "loaded); requests beyond it wait for room"
-        ),
-    ] = None,
-    weight_layout: Annotated[
-        str,
-        typer.Option(
-            help="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split "
-            "(a second copy: one row decodes ~10% faster, +0.8x the weights in memory)"
-        ),
-    ] = "packed",
-    router: Annotated[
-        str | None, typer.Option(help="tiered router over LIGHT,STANDARD variants, e.g. int8,fp32")
-    ] = None,
-    router_name: Annotated[str, typer.Option(help="the model name that reaches the router")] = "tiered",
-    standard_share: Annotated[
-        float, typer.Option(help="router: target share of requests to the standard")
-    ] = 0.2,
-    calibration_prompts: Annotated[int, typer.Option(help="router: synthetic prompts to calibrate on")] = 32,
-    input_lengths: Annotated[
-        str, typer.Option(help="router calibration prompts' input tokens (as in 'run')")
-    ] = "uniform:128-2048",
-    seed: Annotated[int, typer.Option(help="seed of the calibration prompts")] = 0,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
-) -> None:
-    """Serve variants behind an OpenAI-compatible API with continuous batching and priorities."""
+@app.command(context_settings=_PLAN_ARGS, epilog=_SERVE_EPILOG)
+def serve(ctx: typer.Context) -> None:
+    """Serve variants behind an OpenAI-compatible API with continuous batching and priorities.
+
+    variantbench serve [PLAN.yaml] [--variants fp32,int8] [--port 8000] [--router int8,fp32] ...; the plan's serve
+    and router sections
+    """
     _need("serve", "serving")
-    from variantbench.models import parse_model, prepare_model
-    from variantbench.serving.app import make_app
-    from variantbench.serving.host import (
-        ServeOptions,
-        build_router,
-        calibration_samples,
-        close_models,
-        load_models,
-        parse_queue_policy,
-        router_pair,
-        run_server,
-    )
+    from variantbench.serving.commands import serve as serve_plan
 
     console = Console(stderr=True)
-
-    def say(message: str) -> None:
-        console.print(f"[dim]{message}[/dim]", highlight=False)
-
-    names = [v.strip() for v in variants.split(",") if v.strip()]
     try:
-        if not names:
-            raise UserError("--variants is empty")
-        if len(set(names)) != len(names):
-            raise UserError(f"--variants names a variant twice: {variants}")
-        if not 0 < port < 65536:
-            raise UserError(f"--port must be in 1-65535, got {port}")
-        pair = router_pair(router) if router else None
-        if pair and not 0.0 <= standard_share <= 1.0:
-            raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
-        from variantbench.variants import parse_variant
-
-        for name in names:
-            parse_variant(name)
-        policies = dict(parse_queue_policy(p) for p in queue_policy or [])
-        options = ServeOptions(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                               queue_timeout_ms=queue_timeout_ms, max_len=max_len, prefill_chunk=prefill_chunk,
-                               prefix_cache_mb=prefix_cache_mb, policies=policies,
-                               ttft_slo_ms=ttft_slo_ms or None, kv_cache=kv_cache, kv_cache_gb=kv_cache_gb,
-                               weight_layout=weight_layout)  # fmt: skip
-        base = str(prepare_model(parse_model(model), status=say))
-        models = load_models(base, names, options, device=device, threads=threads, say=say)
+        plan, _ = _resolve_plan(list(ctx.args), table=SERVE_FLAGS, command="serve")
+        serve_plan(plan, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
+                   announce=lambda m: console.print(m, highlight=False),
+                   warn=lambda m: console.print(f"[yellow]{m}[/yellow]", highlight=False))  # fmt: skip
     except UserError as exc:
         _fail(str(exc))
-        return
-    try:
-        tiered = None
-        if pair:
-            prompts = calibration_samples(base, calibration_prompts, seed, input_lengths)
-            tiered = build_router(
-                models, pair[0], pair[1], standard_share, prompts, name=router_name, say=say
-            )
-            c = tiered.calibration
-            say(f"router {router_name!r}: {pair[0]} below complexity {c.threshold:.3f}, else {pair[1]} "
-                f"(calibrated on {c.prompts} prompts for a {c.share:g} standard share)")  # fmt: skip
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            console.print(f"[yellow]binding {host}: reachable from other machines[/yellow]", highlight=False)
-        served = ", ".join([*names, *([router_name] if pair else [])])
-        console.print(
-            f"serving {served} on http://{host}:{port}/v1 (Ctrl-C drains and stops)", highlight=False
-        )
-        run_server(make_app(models, tiered), host, port)
-    except UserError as exc:
-        _fail(str(exc))
-    finally:
-        close_models(models)
 
 
-@app.command()
-def route(
-    router: Annotated[str, typer.Option(help="LIGHT,STANDARD variants, e.g. int8,fp32")] = "int8,fp32",
-    model: Annotated[
-        str | None, typer.Option(help="Hugging Face folder or .gguf file (default: bundled)")
-    ] = None,
-    standard_share: Annotated[float, typer.Option(help="target share of requests to the standard")] = 0.2,
-    tasks: Annotated[int, typer.Option(help="synthetic samples: half calibrate, half are held out")] = 40,
-    input_lengths: Annotated[
-        str, typer.Option(help="synthetic input tokens (as in 'run')")
-    ] = "uniform:128-1024",
-    seed: Annotated[int, typer.Option(help="seed of the samples and of the split")] = 0,
-    cost_per_hour: Annotated[float, typer.Option(help="hardware cost per device-hour")] = 0.10,
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's own choice)")] = None,
-) -> None:
-    """Calibrate the tiered router and compare it with always-light and always-standard on held-out samples."""
+@app.command(context_settings=_PLAN_ARGS, epilog=_ROUTE_EPILOG)
+def route(ctx: typer.Context) -> None:
+    """Calibrate the tiered router and compare it with always-light and always-standard on held-out samples.
+
+    variantbench route [PLAN.yaml] [--router int8,fp32] [--tasks 40] [--standard-share 0.2]; the plan's router section
+    """
     _need("serve", "the tiered router")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from variantbench.backends.base import GenerationRequest, encode_request
-    from variantbench.models import parse_model, prepare_model
-    from variantbench.serving.host import (
-        ServeOptions,
-        build_router,
-        calibration_samples,
-        close_models,
-        load_models,
-        router_pair,
-    )
-    from variantbench.serving.router import evaluate, split
+    from variantbench.serving.commands import route as route_plan
+    from variantbench.serving.host import router_pair
 
     console = Console(stderr=True)
     out = Console()
-
-    def say(message: str) -> None:
-        console.print(f"[dim]{message}[/dim]", highlight=False)
-
-    models: dict = {}
     try:
-        light, standard = router_pair(router)
-        if tasks < 4:
-            raise UserError(f"--tasks must be at least 4 (half calibrate, half are held out), got {tasks}")
-        if not 0.0 <= standard_share <= 1.0:
-            raise UserError(f"--standard-share must lie in [0, 1], got {standard_share}")
-        base = str(prepare_model(parse_model(model), status=say))
-        samples = calibration_samples(base, tasks, seed, input_lengths)
-        models = load_models(
-            base, [light, standard], ServeOptions(max_batch_size=1), threads=threads, say=say
-        )
-        cal_idx, held_idx = split(len(samples), seed)
-        tiered = build_router(models, light, standard, standard_share, [samples[i] for i in cal_idx], say=say)
-        tok = models[light].tokenizer
-
-        def encode(s) -> list[int]:  # noqa: ANN001
-            return encode_request(tok, GenerationRequest(s.sample_id, prompt=s.prompt, messages=s.messages))
-
+        plan, _ = _resolve_plan(list(ctx.args), table=ROUTE_FLAGS, command="route")
+        light, standard = router_pair(plan.router.tiers or "int8,fp32")
+        standard_share = plan.router.standard_share
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:  # fmt: skip
-            task = progress.add_task("answering held-out samples with both variants", total=len(held_idx))
-            result = evaluate(models[light].backend, models[standard].backend, [samples[i] for i in held_idx],
-                              tiered, encode, cost_per_hour=cost_per_hour, seed=seed,
-                              progress=lambda d, t: progress.update(task, completed=d))  # fmt: skip
+            task = progress.add_task("answering held-out samples with both variants", total=None)
+            result, tiered = route_plan(plan, say=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False),
+                                        progress=lambda d, t: progress.update(task, completed=d, total=t))  # fmt: skip
     except UserError as exc:
         _fail(str(exc))
         return
-    finally:
-        close_models(models)
     table = Table(title=f"tiered router {light} -> {standard}: {result['held_out']} held-out samples, "
                         f"target standard share {standard_share:g}, realized {result['realized_share']:.2f}")  # fmt: skip
     for col in (

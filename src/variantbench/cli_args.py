@@ -116,19 +116,66 @@ def _is_bool(loc: Location) -> bool:
     return info is not None and info.annotation is bool
 
 
-def flag_help() -> list[tuple[str, str, str]]:
+@dataclass(frozen=True)
+class FlagTable:
+    """One command's flags: each a shortcut for one key path of the plan (``run``'s are ``FLAGS``)."""
+
+    flags: dict[str, Location]
+    aliases: dict[str, tuple[Location, Any]] = field(default_factory=dict)
+    switches: dict[str, tuple[Location, Any, Any]] = field(default_factory=dict)
+    repeated: frozenset[str] = frozenset()  # flags whose values accumulate into a list setting
+    url: Location | None = None  # where a positional URL goes (monitor's server), else a plan file
+    vllm: bool = False  # vllm bench serve's flags translated (run)
+
+
+# the model a command loads or measures, shared by every command that loads one
+MODEL_FLAGS: dict[str, Location] = {k: FLAGS[k] for k in ("--model", "--device", "--threads")}
+ROUTER_FLAGS: dict[str, Location] = {
+    "--router": ("router", "tiers"),
+    "--standard-share": ("router", "standard_share"),
+    "--seed": ("router", "seed"),
+}
+SERVE_FLAGS = FlagTable(
+    {**MODEL_FLAGS, **ROUTER_FLAGS, **{f"--{k.replace('_', '-')}": ("serve", k) for k in (
+        "variants", "host", "port", "max_batch_size", "max_wait_ms", "max_queue", "queue_timeout_ms", "max_len",
+        "prefill_chunk", "prefix_cache_mb", "queue_policy", "ttft_slo_ms", "kv_cache", "kv_cache_gb",
+        "weight_layout")},
+     "--router-name": ("router", "name"), "--calibration-prompts": ("router", "calibration_prompts"),
+     "--input-lengths": ("router", "input_lengths")},
+    repeated=frozenset({"--queue-policy"}),
+)  # fmt: skip
+ROUTE_FLAGS = FlagTable({**MODEL_FLAGS, **ROUTER_FLAGS, "--tasks": ("router", "tasks"),
+                         "--input-lengths": ("router", "route_input_lengths"),
+                         "--cost-per-hour": ("cost", "per_hour")})  # fmt: skip
+MONITOR_FLAGS = FlagTable(
+    {**{f"--{k.replace('_', '-')}": ("monitor", k) for k in (
+        "url", "model", "probes", "probe", "out", "threshold", "baseline", "metrics_port", "api")},
+     "--every": ("monitor", "every_s"), "--history": ("output", "history"),
+     "--record-history": ("output", "record_history")},
+    aliases=ALIASES, url=("monitor", "url"),
+)  # fmt: skip
+SEARCH_FLAGS = FlagTable(
+    {**FLAGS, **{f"--{k.replace('_', '-')}": ("search", k) for k in (
+        "space", "objectives", "budget", "sampler", "seed", "population", "prune_margin", "fresh")}},
+    aliases=ALIASES, switches=SWITCHES,
+)  # fmt: skip
+RUN_FLAGS = FlagTable(FLAGS, aliases=ALIASES, switches=SWITCHES, vllm=True)
+
+
+def flag_help(table: FlagTable | None = None) -> list[tuple[str, str, str]]:
     """(flag, key path, help) for every flag, from the plan's own field descriptions."""
+    table = table or RUN_FLAGS
     rows = []
-    for flag, loc in FLAGS.items():
+    for flag, loc in table.flags.items():
         info = _field(loc)
         desc = (info.description or "") if info is not None else ""
         if loc == ("load", "scenario"):
             desc = " | ".join(SCENARIO_TYPES)
         shown = f"{flag} / --no-{flag[2:]}" if _is_bool(loc) else flag
         rows.append((shown, ".".join(loc), desc))
-    for flag, (loc, on, off) in SWITCHES.items():
+    for flag, (loc, on, off) in table.switches.items():
         rows.append((f"{flag} / --no-{flag[2:]}", ".".join(loc), f"{on} (on) or {off} (off)"))
-    for flag, (loc, fixed) in ALIASES.items():
+    for flag, (loc, fixed) in table.aliases.items():
         rows.append((flag, ".".join(loc), f"sets it to {fixed}"))
     return rows
 
@@ -257,15 +304,23 @@ def translate_vllm(tokens: list[str]) -> list[str]:
     return out
 
 
-def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs:
+def parse_run_args(tokens: list[str], switches: tuple[str, ...] = (), table: FlagTable | None = None,
+                   command: str = "run") -> RunArgs:  # fmt: skip
     """``[PLAN.yaml] [--set k=v ...] [--flag value ...]`` -> the plan file and its overrides, in order;
-    vllm bench serve's flags are accepted too (``translate_vllm``)."""
-    tokens = translate_vllm(tokens)
+    ``table``: the command's flags (``run``'s by default, where vllm bench serve's flags are accepted
+    too: ``translate_vllm``)."""
+    table = table or RUN_FLAGS
+    if table.vllm:
+        tokens = translate_vllm(tokens)
     args = RunArgs()
+    repeated: dict[Location, list[str]] = {}
     i = 0
     while i < len(tokens):
         token = tokens[i]
         i += 1
+        if table.url is not None and not token.startswith("--") and "://" in token:
+            args.overrides.append((table.url, token))
+            continue
         if not token.startswith("--"):
             if args.plan_file is not None:
                 raise UserError(f"one plan file at most; got {args.plan_file} and {token}")
@@ -285,21 +340,27 @@ def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs
             loc, parsed = parse_override(value())
             args.overrides.append((loc, parsed))
             continue
-        if name in ALIASES:
-            loc, fixed = ALIASES[name]
+        if name in table.aliases:
+            loc, fixed = table.aliases[name]
             args.overrides.append((loc, fixed))
             args.flag_of[loc] = name
             continue
-        negated = name.startswith("--no-") and f"--{name[5:]}" in {**FLAGS, **SWITCHES}
+        negated = name.startswith("--no-") and f"--{name[5:]}" in {**table.flags, **table.switches}
         base = f"--{name[5:]}" if negated else name
-        if base in SWITCHES:
-            loc, on, off = SWITCHES[base]
+        if base in table.switches:
+            loc, on, off = table.switches[base]
             args.overrides.append((loc, off if negated else on))
             args.flag_of[loc] = name
             continue
-        loc = FLAGS.get(base)
+        loc = table.flags.get(base)
         if loc is None:
-            raise UserError(f"unknown option {name}; see 'variantbench run --help' (or --set key.path=value)")
+            raise UserError(
+                f"unknown option {name}; see 'variantbench {command} --help' (or --set key.path=value)"
+            )
+        if base in table.repeated:
+            repeated.setdefault(loc, []).append(value())
+            args.flag_of[loc] = base
+            continue
         if _is_bool(loc):
             args.overrides.append((loc, not negated))
         elif negated:
@@ -307,4 +368,5 @@ def parse_run_args(tokens: list[str], switches: tuple[str, ...] = ()) -> RunArgs
         else:
             args.overrides.append((loc, value()))  # a string: pydantic converts it to the field's type
         args.flag_of[loc] = base
+    args.overrides += [(loc, values) for loc, values in repeated.items()]
     return args

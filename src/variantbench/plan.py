@@ -378,6 +378,90 @@ class EndpointPlan(_Section):
         return value
 
 
+class ServePlan(_Section):
+    """``variantbench serve``: the variants it serves, where, and how it batches and queues them."""
+
+    variants: tuple[str, ...] = Field(("fp32", "int8"), description="variants to serve (the request's model field)")  # fmt: skip
+    host: str = Field("127.0.0.1", description="interface to bind; other than 127.0.0.1 only when you mean it")  # fmt: skip
+    port: int = Field(8000, ge=1, le=65535, description="TCP port")
+    max_batch_size: PositiveInt = Field(32, description="most requests decoding together per variant")
+    max_wait_ms: float = Field(10.0, ge=0, description="longest a decode step is held open for an expected newcomer (adaptive)")  # fmt: skip
+    max_queue: PositiveInt = Field(256, description="waiting requests per priority level before 429")
+    queue_timeout_ms: float | None = Field(None, gt=0, description="longest wait in the queue before 503 (default: none)")  # fmt: skip
+    max_len: PositiveInt = Field(2048, description="context per request (prompt + output tokens)")
+    prefill_chunk: PositiveInt = Field(256, description="prompt tokens per step, prefilled beside the decode rows")  # fmt: skip
+    prefix_cache_mb: float = Field(256.0, ge=0, description="MiB of prompt-prefix keys/values kept for reuse (llama.cpp: finished prompts kept; 0: off)")  # fmt: skip
+    queue_policy: tuple[str, ...] = Field((), description="per priority level: LEVEL:max_queue=N,timeout_ms=T,on_timeout=reject|delay,ttft_slo_ms=S,shed_late=true|false")  # fmt: skip
+    ttft_slo_ms: float = Field(500.0, ge=0, description="priority 0's first-token objective (ms): less urgent prefill yields to it; 0: none")  # fmt: skip
+    kv_cache: Literal["paged", "contiguous"] = Field("paged", description="torch engine: paged (blocks from a pool, memory as used) or contiguous")  # fmt: skip
+    kv_cache_gb: float | None = Field(None, gt=0, description="GiB the KV cache may hold (default: 80% of the memory available once the weights are loaded)")  # fmt: skip
+    weight_layout: Literal["packed", "packed+split"] = Field("packed", description="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split (one row decodes ~10% faster, +0.8x the weights)")  # fmt: skip
+
+    @field_validator("variants", "queue_policy", mode="before")
+    @classmethod
+    def _listed(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, str):  # variants "fp32,int8" from a flag; a queue policy is one string
+            value = value.split(",") if info.field_name == "variants" else [value]
+        if isinstance(value, list | tuple):
+            value = tuple(str(v).strip() for v in value if v is not None and str(v).strip())
+        return value
+
+    @field_validator("variants")
+    @classmethod
+    def _some_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("empty: at least one variant to serve")
+        dupes = sorted({v for v in value if value.count(v) > 1})
+        if dupes:
+            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
+        return value
+
+
+class RouterPlan(_Section):
+    """The tiered router (``serve --router``, ``route``): a light and a standard variant, the share of
+    requests the standard should take, and the synthetic prompts it is calibrated on."""
+
+    tiers: str | None = Field(None, description="LIGHT,STANDARD variants, e.g. int8,fp32 (serve: none unless set; route: int8,fp32)")  # fmt: skip
+    name: str = Field("tiered", description="the model name that reaches the router")
+    standard_share: float = Field(0.2, ge=0, le=1, description="target share of requests to the standard")
+    calibration_prompts: PositiveInt = Field(32, description="serve: synthetic prompts to calibrate on")
+    input_lengths: str = Field("uniform:128-2048", description="serve: calibration prompts' input tokens (as workload.input_lengths)")  # fmt: skip
+    seed: int = Field(0, description="seed of the calibration prompts (route: and of the held-out split)")
+    # route: half the samples calibrate, half are held out and answered by both variants
+    tasks: int = Field(40, ge=4, description="route: synthetic samples (half calibrate, half are held out)")
+    route_input_lengths: str = Field("uniform:128-1024", description="route: the samples' input tokens")
+
+
+class MonitorPlan(_Section):
+    """``variantbench monitor``: a small probe run against a live server every ``every_s`` seconds."""
+
+    url: str | None = Field(None, description="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str | None = Field(None, description="the served model's name (default: the server's first)")
+    every_s: float = Field(60.0, gt=0, description="seconds from one probe's start to the next's")
+    probes: PositiveInt | None = Field(
+        None, description="stop after this many probes (default: until Ctrl-C)"
+    )
+    probe: Path | None = Field(None, description="a plan file for the probe (default: 6 fixed samples, 16 tokens)")  # fmt: skip
+    out: Path = Field(Path("variantbench-monitor"), description="monitor.jsonl and the probes' run folders")
+    threshold: str = Field("p99_ms=20%,ttft_p99_ms=20%,tokens_per_s=15%,quality=2%", description="the smallest shift to alert on, per metric: p99_ms, ttft_p99_ms, tokens_per_s (relative), quality (absolute drop, points of 100)")  # fmt: skip
+    baseline: int = Field(5, ge=2, description="probes that set the baseline level before any alert")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve the monitor's own /metrics on 127.0.0.1:PORT")  # fmt: skip
+    api: Literal["completions", "chat"] | None = Field(None, description="completions or chat (default: the probe plan's)")  # fmt: skip
+
+
+class SearchPlan(_Section):
+    """``variantbench search``: the recipe space, the objectives and the budget of trials."""
+
+    space: Path | None = Field(None, description="the search space: recipe steps and finishes (YAML)")
+    objectives: str = Field("quality,tokens_per_s,peak_rss", description="what to optimize, comma-separated: quality, kl, tokens_per_s, latency_p90, ttft_p50, peak_rss, weights, batch_tokens_per_s")  # fmt: skip
+    budget: PositiveInt = Field(12, description="trials in all (a resumed search counts the earlier ones)")
+    sampler: Literal["nsga2", "tpe", "random"] = Field("nsga2", description="nsga2 (Optuna's NSGA-II), tpe or random")  # fmt: skip
+    seed: int = Field(0, description="the sampler's seed")
+    population: PositiveInt | None = Field(None, description="NSGA-II's generation size (default: budget/3, 4-20)")  # fmt: skip
+    prune_margin: float = Field(0.10, ge=0, lt=1, description="stop a trial that a finished one beats by this share in every objective after its first half (0: never)")  # fmt: skip
+    fresh: bool = Field(False, description="start over where the folder holds a search (default: resume it)")
+
+
 class Plan(_Section):
     """Everything a run needs, every default spelled out. ``Plan()`` is the default comparison."""
 
@@ -401,6 +485,11 @@ class Plan(_Section):
     execution: ExecutionPlan = ExecutionPlan()
     output: OutputPlan = OutputPlan()
     endpoints: dict[str, EndpointPlan] = Field(default_factory=dict, description="served variants by name: url, model, api, api_key_env, headers, extra_body (variants NAME=URL#MODEL land here)")  # fmt: skip
+    # the other commands' own settings: each reads its section (and model, cost, output where it shares them)
+    serve: ServePlan = ServePlan()
+    router: RouterPlan = RouterPlan()
+    monitor: MonitorPlan = MonitorPlan()
+    search: SearchPlan = SearchPlan()
 
     @model_validator(mode="before")
     @classmethod

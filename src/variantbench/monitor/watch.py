@@ -11,7 +11,7 @@ alert), so a watch that is stopped keeps everything it saw. The monitor's own ``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import datetime as dt
 import json
 from pathlib import Path
@@ -23,6 +23,7 @@ from rich.console import Console
 from variantbench.errors import UserError
 from variantbench.monitor.detect import Alert, Cusum, detectors
 from variantbench.monitor.probe import probe_plan, probe_values
+from variantbench.plan import Plan
 from variantbench.trackers.server_metrics import scrape
 
 WARMUP_PROBES = 1
@@ -31,18 +32,39 @@ UNREACHABLE_AFTER = 3  # consecutive failed probes before the server is reported
 
 @dataclass
 class MonitorSettings:
+    """The monitor as it runs, built from the plan's ``monitor`` section (``settings_from_plan``)."""
+
     url: str
     model: str | None
     out: Path
-    every_s: float = 60.0
-    probes: int | None = None  # None: until stopped
-    probe_file: Path | None = None
-    thresholds: dict[str, float] = field(default_factory=dict)
-    baseline_probes: int = 5
-    history: Path | None = None
-    record_history: bool = True
-    metrics_port: int | None = None
-    api: str | None = None
+    every_s: float
+    probes: int | None  # None: until stopped
+    probe_file: Path | None
+    thresholds: dict[str, float]
+    baseline_probes: int
+    history: Path | None
+    record_history: bool
+    metrics_port: int | None
+    api: str | None
+
+
+def settings_from_plan(plan: Plan) -> MonitorSettings:
+    """The plan's ``monitor`` section (and ``output.history``) as the monitor's settings."""
+    from variantbench.compare import parse_thresholds
+    from variantbench.monitor.detect import DIRECTIONS
+
+    m = plan.monitor
+    if not m.url:
+        raise UserError(
+            "monitor needs the server's URL: variantbench monitor http://HOST:PORT/v1 (monitor.url)"
+        )
+    if m.probe is not None and not m.probe.is_file():
+        raise UserError(f"probe plan not found: {m.probe}")
+    return MonitorSettings(url=m.url, model=m.model, out=m.out, every_s=m.every_s, probes=m.probes,
+                           probe_file=m.probe, thresholds=parse_thresholds(m.threshold, known=DIRECTIONS,
+                                                                           option="--threshold"),
+                           baseline_probes=m.baseline, history=plan.output.history,
+                           record_history=plan.output.record_history, metrics_port=m.metrics_port, api=m.api)  # fmt: skip
 
 
 class _Exporter:
@@ -75,7 +97,7 @@ class _Exporter:
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None,
                  on_probe: Callable[[dict[str, Any]], None] | None = None) -> None:  # fmt: skip
-        self.s = settings
+        self.s = self.settings = settings
         self.console = console or Console(stderr=True)
         self.on_probe = on_probe
         self.detectors: dict[str, Cusum] = detectors(settings.thresholds, settings.baseline_probes)
@@ -90,6 +112,10 @@ class Monitor:
                 f"cannot write the monitor's folder {settings.out}: {exc.strerror or exc}"
             ) from None
         self.exporter = _Exporter(settings.metrics_port)
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Monitor:
+        return cls(settings_from_plan(plan))
 
     def probe(self, n: int) -> dict[str, Any]:
         """Probe number ``n``: run, scrape, detect, log; never raises for a failing server."""

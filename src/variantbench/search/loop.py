@@ -63,15 +63,30 @@ SAMPLERS = ("nsga2", "tpe", "random")
 
 @dataclass(frozen=True)
 class SearchSettings:
+    """The search as it runs, built from the plan's ``search`` section (``from_plan``): the space
+    file read and the objectives parsed; no default of its own."""
+
     space: SearchSpace
     objectives: list[Objective]
     budget: int  # trials in all, over every session of a resumed search
-    sampler: str = "nsga2"
-    seed: int = 0
-    population: int | None = None  # NSGA-II's generation size (default: about a third of the budget, 4-20)
-    prune_margin: float = 0.10  # a trial beaten by this share in every objective stops early; 0: never
-    first_share: float = 0.5  # of a trial's queries measured before that check
-    fresh: bool = False  # start over even where the folder holds a search
+    sampler: str
+    seed: int
+    population: int | None  # NSGA-II's generation size (None: about a third of the budget, 4-20)
+    prune_margin: float  # a trial beaten by this share in every objective stops early; 0: never
+    fresh: bool  # start over even where the folder holds a search
+    first_share: float = 0.5  # of a trial's queries measured before that check (a constant, not a setting)
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> SearchSettings:
+        from variantbench.search.objectives import parse_objectives
+        from variantbench.search.space import load_space
+
+        s = plan.search
+        if s.space is None:
+            raise UserError("search needs a space: --space SPACE.yaml (search.space)")
+        return cls(space=load_space(s.space), objectives=parse_objectives(s.objectives), budget=s.budget,
+                   sampler=s.sampler, seed=s.seed, population=s.population, prune_margin=s.prune_margin,
+                   fresh=s.fresh)  # fmt: skip
 
 
 @dataclass
@@ -126,7 +141,9 @@ def _digest(data: Any) -> str:
 
 def _identity(plan: Plan, s: SearchSettings) -> dict[str, Any]:
     """What must match for a folder's search to be resumed."""
-    measured = plan.model_dump(mode="json", exclude={"out", "execution"})
+    measured = plan.model_dump(
+        mode="json", exclude={"out", "execution", "search", "serve", "router", "monitor"}
+    )
     return {"space": s.space.digest(), "objectives": [o.name for o in s.objectives], "plan": _digest(measured),
             "sampler": s.sampler, "seed": s.seed}  # fmt: skip
 
@@ -163,9 +180,10 @@ def _open_study(out: Path, s: SearchSettings, resume: bool) -> Any:
     return study
 
 
-def run_search(plan: Plan, s: SearchSettings, console: Console) -> Outcome:
-    """Run (or resume) the search; the folder keeps every trial as it finishes."""
+def run_search(plan: Plan, console: Console) -> Outcome:
+    """Run (or resume) the plan's search; the folder keeps every trial as it finishes."""
     require("search", "variantbench search")
+    s = SearchSettings.from_plan(plan)
     if plan.served:
         raise UserError(
             "search builds variants of a local model: served variants (endpoints) cannot be searched"
