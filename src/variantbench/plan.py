@@ -27,6 +27,25 @@ from variantbench.analysis.profiles import PROFILES, Profile
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8")
 
 
+def names_of(value: Any, split: bool = True) -> Any:
+    """A list setting from a flag or ``--set`` (a string: comma-separated where ``split``) or YAML."""
+    if isinstance(value, str):
+        value = value.split(",") if split else [value]
+    if isinstance(value, list | tuple):
+        value = tuple(str(v).strip() for v in value if v is not None and str(v).strip())
+    return value
+
+
+def each_once(value: tuple[str, ...], empty: str) -> tuple[str, ...]:
+    """Variant names: at least one (``empty`` says so otherwise), none twice."""
+    if not value:
+        raise ValueError(empty)
+    dupes = sorted({v for v in value if value.count(v) > 1})
+    if dupes:
+        raise ValueError(f"variant listed twice: {', '.join(dupes)}")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -400,21 +419,13 @@ class ServePlan(_Section):
     @field_validator("variants", "queue_policy", mode="before")
     @classmethod
     def _listed(cls, value: Any, info: Any) -> Any:
-        if isinstance(value, str):  # variants "fp32,int8" from a flag; a queue policy is one string
-            value = value.split(",") if info.field_name == "variants" else [value]
-        if isinstance(value, list | tuple):
-            value = tuple(str(v).strip() for v in value if v is not None and str(v).strip())
-        return value
+        # variants "fp32,int8" from a flag; a queue policy is one string (its own commas inside)
+        return names_of(value, split=info.field_name == "variants")
 
     @field_validator("variants")
     @classmethod
     def _some_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("empty: at least one variant to serve")
-        dupes = sorted({v for v in value if value.count(v) > 1})
-        if dupes:
-            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
-        return value
+        return each_once(value, "empty: at least one variant to serve")
 
 
 class RouterPlan(_Section):
@@ -516,21 +527,12 @@ class Plan(_Section):
     @field_validator("variants", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):  # "fp32,int8" from a flag or --set
-            value = value.split(",")
-        if isinstance(value, list | tuple):
-            value = tuple(str(v).strip() for v in value if v is not None and str(v).strip())
-        return value
+        return names_of(value)  # "fp32,int8" from a flag or --set
 
     @field_validator("variants")
     @classmethod
     def _variants(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("at least one variant is required")
-        dupes = sorted({v for v in value if value.count(v) > 1})
-        if dupes:
-            raise ValueError(f"variant listed twice: {', '.join(dupes)}")
-        return value
+        return each_once(value, "at least one variant is required")
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
