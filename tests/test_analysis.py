@@ -16,6 +16,7 @@ from variantbench.report.schema import (
     AB,
     BatchThroughput,
     Cost,
+    PairComparison,
     QualityVsStandard,
     Ratio,
     Resources,
@@ -143,9 +144,10 @@ def _run(name: str, p99: float, rss_gb: float, quality: float, tok_s: float, pri
     return run
 
 
-def _cmp(a: str, b: str, state: str, ratio: float, lo: float, hi: float, metric: str = "throughput") -> dict:
-    return {"a": a, "b": b, "metric": metric, "ratio": ratio, "ci_low": lo, "ci_high": hi, "confidence": 0.95,
-            "pairs": 40, "state": state, "more_samples": None}  # fmt: skip
+def _cmp(a: str, b: str, state: str, ratio: float, lo: float, hi: float, metric: str = "throughput"
+         ) -> PairComparison:  # fmt: skip
+    return PairComparison(a=a, b=b, metric=metric, ratio=ratio, ci_low=lo, ci_high=hi, confidence=0.95, pairs=40,
+                          state=state)  # fmt: skip
 
 
 RUNS = [

@@ -225,9 +225,8 @@ def show_decision(out: Console, report: Report, profile: str | None) -> None:
     from variantbench.report.markdown import summary_lines
 
     lines = [ln for ln in summary_lines(report) if ln.strip() and not ln.startswith("## ")]
-    recs = getattr(report, "recommendations", {}) or {}
-    if profile and profile in recs:
-        lines.append(f"chosen profile -> {recs[profile]['summary']}")
+    if profile and profile in report.recommendations:
+        lines.append(f"chosen profile -> {report.recommendations[profile].summary}")
     for line in lines:
         out.print(line.replace("**", ""), highlight=False, soft_wrap=True)
 

@@ -27,6 +27,21 @@ from variantbench.analysis.profiles import PROFILES, Profile
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8")
 
 
+def default_of(path: str) -> Any:
+    """The plan's default at a key path (``"limits.warmup"``; ``"load.KEY"``: the first scenario that
+    has it): what a struct below the plan (``LoadSettings``, ``Criteria``, ``MeasureJob``,
+    ``ServeOptions``) takes as its own default, so every default is declared once, here."""
+    section, _, key = path.partition(".")
+    if section == "load":
+        model = next(t for t in SCENARIO_TYPES.values() if key in t.model_fields)
+    else:
+        annotation = Plan.model_fields[section].annotation
+        model = annotation if key else Plan
+        key = key or section
+    field = model.model_fields[key]
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
 def names_of(value: Any, split: bool = True) -> Any:
     """A list setting from a flag or ``--set`` (a string: comma-separated where ``split``) or YAML."""
     if isinstance(value, str):

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from variantbench.analysis.profiles import PROFILES, Profile
+from variantbench.metrics.sequential import Comparison
 
 __all__ = ["PROFILES", "Profile", "check", "recommend"]
 
@@ -30,9 +31,11 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.0f} MB"
 
 
-def _ci(r: dict[str, Any] | Any) -> str:
-    get = r.get if isinstance(r, dict) else (lambda k: getattr(r, k, None))
-    value, lo, hi = get("value") if get("value") is not None else get("ratio"), get("ci_low"), get("ci_high")
+def _ci(r: Any) -> str:
+    """A ratio with its interval: an A/B ``Ratio`` (``value``) or a pairwise comparison (``ratio``)."""
+    value = getattr(r, "value", None)
+    value = value if value is not None else getattr(r, "ratio", None)
+    lo, hi = r.ci_low, r.ci_high
     if value is None:
         return "n/a"
     return (
@@ -42,18 +45,18 @@ def _ci(r: dict[str, Any] | Any) -> str:
     )
 
 
-def find(comparisons: Sequence[dict[str, Any]], x: str, y: str, metric: str) -> dict[str, Any] | None:
-    """``x`` against ``y`` on ``metric``, turned around when the report holds ``y`` against ``x``."""
+def find(comparisons: Sequence[Any], x: str, y: str, metric: str) -> Comparison | None:
+    """``x`` against ``y`` on ``metric`` (the report's ``PairComparison``s, or the metrics'
+    ``Comparison``s), turned around when the report holds ``y`` against ``x``."""
     flip = {"faster": "slower", "slower": "faster"}
     for c in comparisons:
-        if c["metric"] != metric:
+        if c.metric != metric or {c.a, c.b} != {x, y}:
             continue
-        if (c["a"], c["b"]) == (x, y):
-            return c
-        if (c["a"], c["b"]) == (y, x):
-            inv = lambda v: 1 / v if v else None  # noqa: E731
-            return {**c, "a": x, "b": y, "ratio": inv(c["ratio"]), "ci_low": inv(c["ci_high"]),
-                    "ci_high": inv(c["ci_low"]), "state": flip.get(c["state"], c["state"])}  # fmt: skip
+        inv = (lambda v: 1 / v if v else None) if c.a == y else (lambda v: v)  # noqa: E731
+        lo, hi = (inv(c.ci_high), inv(c.ci_low)) if c.a == y else (c.ci_low, c.ci_high)
+        return Comparison(a=x, b=y, metric=metric, ratio=inv(c.ratio), ci_low=lo, ci_high=hi,
+                          confidence=c.confidence, pairs=c.pairs, more_samples=c.more_samples,
+                          state=flip.get(c.state, c.state) if c.a == y else c.state)  # fmt: skip
     return None
 
 
@@ -62,7 +65,7 @@ def batch_rate(run: Any) -> float | None:
     return b.tokens_per_s if b else None
 
 
-def check(run: Any, standard: Any, s: Profile, comparisons: Sequence[dict[str, Any]] = (),
+def check(run: Any, standard: Any, s: Profile, comparisons: Sequence[Any] = (),
           band: float = 0.03) -> list[str]:  # fmt: skip
     """The constraints ``run`` (a RunReport) fails in profile ``s``, one line each (empty: it fits)."""
     if run.status != "ok":
@@ -155,13 +158,13 @@ def quality_fails(vs: Any, floor: float) -> list[str]:
     ]
 
 
-def _throughput_fails(run: Any, standard: Any, need: float, comparisons: Sequence[dict[str, Any]],
+def _throughput_fails(run: Any, standard: Any, need: float, comparisons: Sequence[Any],
                       band: float) -> list[str]:  # fmt: skip
     """Throughput vs the standard: the batching throughput's ratio where it was measured (its interval's
     lower end at least ``need`` less the tie band), else the run's own output tokens/s."""
     c = find(comparisons, run.variant, standard.variant, "batch throughput")
     if c is not None:
-        low = c["ci_low"] if c["ci_low"] is not None else c["ratio"]
+        low = c.ci_low if c.ci_low is not None else c.ratio
         if low is None or low < need / (1 + band):
             return [f"batch-8 throughput vs the standard's {_ci(c)}: not shown to be at least {need:g}x "
                     f"(-{band:.0%} tie band)"]  # fmt: skip
@@ -232,7 +235,7 @@ def engine_of(run: Any) -> str:
     return str((run.backend or {}).get("backend") or "torch")
 
 
-def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequence[dict[str, Any]] = (),
+def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequence[Any] = (),
               band: float = 0.03, mix_backends: bool = False) -> dict[str, Any]:  # fmt: skip
     """Rank the measured variants for one profile; ties (by the intervals) named and broken.
 
@@ -272,13 +275,13 @@ def recommend(runs: list[Any], standard_name: str, s: Profile, comparisons: Sequ
         tied = []
         for other in fit[1:]:
             c = find(comparisons, best.variant, other.variant, metric)
-            if c is None or c["state"] != "faster":
+            if c is None or c.state != "faster":
                 tied.append((other, c))
         if tied:
             group = [best] + [o for o, _ in tied]
             chosen_run, because = _break_tie(group, standard_name, band)
             said = "; ".join(
-                f"{best.variant} and {o.variant} are {'tied' if c and c['state'] == 'tied' else 'not told apart'} "
+                f"{best.variant} and {o.variant} are {'tied' if c and c.state == 'tied' else 'not told apart'} "
                 f"on {metric} ({_ci(c) if c else 'no comparison'})"
                 for o, c in tied
             )  # fmt: skip

@@ -21,6 +21,7 @@ from variantbench.backends.base import Backend, ConcurrentBackend, GenerationReq
 from variantbench.loadgen.scenarios import SCENARIOS, IssueContext
 from variantbench.loadgen.senders import DescribesSenders, adapter_for
 from variantbench.loadgen.sut import Pending
+from variantbench.plan import default_of
 from variantbench.records import QueryLog, QueryRecord
 from variantbench.workloads.base import Sample, SampleLibrary
 
@@ -29,24 +30,29 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class LoadSettings:
-    scenario: str = "single-stream"
-    min_queries: int = 10
-    max_queries: int | None = None
-    min_duration_s: float = 0.0
-    max_duration_s: float | None = None
-    warmup: int = 1
-    rate_qps: float | None = None  # server
-    burstiness: float = 1.0  # server: gamma shape; 1.0 = Poisson
-    max_concurrency: int | None = None  # server
-    samples_per_query: int = 4  # multi-stream
-    max_batch_size: int = 8  # how many waiting requests an in-process system is handed at once
-    schedule_seed: int = 0
-    sample_seed: int = 0
-    max_new_tokens: int | None = None
-    drain_timeout_s: float = 600.0  # after the last issue, how long outstanding queries may take
+    """One measurement's load, built from the plan by ``pipeline/settings.py``; a default here is the
+    plan's (``default_of``), except the harness's own mechanics (a block's queries, the run id)."""
+
+    scenario: str = default_of("load.scenario")
+    min_queries: int = 10  # the plan derives its own from load.tasks (Plan.min_queries)
+    max_queries: int | None = default_of("limits.max_queries")
+    min_duration_s: float = default_of("limits.min_duration_s")
+    max_duration_s: float | None = default_of("limits.max_duration_s")
+    warmup: int = default_of("limits.warmup")
+    rate_qps: float | None = None  # server (the plan requires one)
+    burstiness: float = default_of("load.burstiness")  # server: gamma shape; 1.0 = Poisson
+    max_concurrency: int | None = default_of("load.max_concurrency")  # server
+    samples_per_query: int = default_of("load.samples_per_query")  # multi-stream
+    # how many waiting requests an in-process system is handed at once
+    max_batch_size: int = default_of("load.max_batch_size")
+    schedule_seed: int = default_of("seeds.schedule")
+    sample_seed: int = default_of("seeds.workload")
+    max_new_tokens: int | None = default_of("workload.max_new_tokens")
+    # after the last issue, how long outstanding queries may take
+    drain_timeout_s: float = default_of("limits.drain_timeout_s")
     run_id: str = "run"
     # MLPerf's accuracy log: the share of queries whose output is kept and scored (seeded choice)
-    accuracy_share: float = 1.0
+    accuracy_share: float = default_of("quality.accuracy_log")
     # an interleaved block: queries [first_query, first_query + min_queries) of the run's one sample
     # order, so every variant answers the same samples in the same block; -1: the whole run at once
     first_query: int = 0

@@ -14,7 +14,17 @@ from variantbench.pipeline.settings import criteria_for
 from variantbench.plan import Plan
 from variantbench.records import QueryRecord
 from variantbench.report.results import Fidelity, VariantResult
-from variantbench.report.schema import AB, BatchThroughput, Cost, Incomplete, PeakSearch, Report, RunReport
+from variantbench.report.schema import (
+    AB,
+    BatchThroughput,
+    Cost,
+    Incomplete,
+    PairComparison,
+    PeakSearch,
+    Recommendation,
+    Report,
+    RunReport,
+)
 from variantbench.report.summary import compare_to_standard, summarize_run
 
 
@@ -63,7 +73,7 @@ def assemble(header: Report, plan: Plan, raws: Iterable[VariantResult], records:
         if wall is not None:
             run.backend.setdefault("wall_s", wall)
         report.runs.append(run)
-    report.comparisons = [c.to_json() for c in comparisons(report, plan, measured)]
+    report.comparisons = [PairComparison(**c.to_json()) for c in comparisons(report, plan, measured)]
     finalize(report, plan)
     report.uninformative_tasks = uninformative_tasks(report, measured)
     return report
@@ -395,13 +405,7 @@ def finalize(report: Report, plan: Plan) -> None:
             ratio(run.speed.prefill_tokens_per_s, std.speed.prefill_tokens_per_s),
         )  # fmt: skip
     report.recommendations = {
-        name: recommend(
-            report.runs,
-            report.standard,
-            p,
-            report.comparisons,
-            band=plan.analysis.tie_band / 100,
-            mix_backends=plan.decision.mix_backends,
-        )
+        name: Recommendation(**recommend(report.runs, report.standard, p, report.comparisons,
+                                         band=plan.analysis.tie_band / 100, mix_backends=plan.decision.mix_backends))
         for name, p in plan.decision.profiles().items()
-    }
+    }  # fmt: skip

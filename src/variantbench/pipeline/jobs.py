@@ -17,6 +17,7 @@ from typing import Any
 
 from variantbench.faults import fault_point
 from variantbench.loadgen.harness import LoadSettings
+from variantbench.plan import default_of
 from variantbench.report.results import PHASES, VariantResult
 from variantbench.report.summary import Criteria
 from variantbench.variants.spec import Artifact, VariantSpec
@@ -78,22 +79,22 @@ class MeasureJob:
     spec: VariantSpec | None = None  # None: an endpoint
     artifact: Artifact | None = None
     base_dir: str = ""
-    device: str = "cpu"
-    threads: int | None = None
+    device: str = default_of("model.device")
+    threads: int | None = default_of("model.threads")
     endpoint: Endpoint | None = None
-    find_peak: bool = False
+    find_peak: bool = default_of("load.find_peak")
     criteria: Criteria = field(default_factory=Criteria)
     fidelity: Any = None  # metrics.fidelity.FidelitySpec, or None to skip logit fidelity
     # metrics.likelihood.LikelihoodSpec, or None to skip the samples' likelihood scores
     likelihood: Any = None
     lm_eval: Any = None  # metrics.lm_eval.LmEvalSpec, or None: no lm-evaluation-harness tasks
     is_standard: bool = False
-    watts_per_core: float = 10.0
+    watts_per_core: float = default_of("cost.watts_per_core")
     diagnose: bool = False
     counters: str = ""  # whether perf cache counters work here (analysis.diagnosis.cache_counters)
     repeat: int = 0
     batch_rounds: int = 0  # batching-throughput measurements (batch-8 decode) after the scenario
-    scrape_s: float = 1.0  # a served variant's /metrics every this many seconds while measured; 0: off
+    scrape_s: float = default_of("execution.scrape_s")  # a served variant's /metrics scrape interval; 0: off
     cold_start: bool = False  # the pipeline times a cold start after the job (listed in ``phases``)
     # where the result is saved as it grows (raw/VARIANT.REPEAT.json); None: only returned (a Ray node)
     result_path: str | None = None

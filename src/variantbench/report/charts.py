@@ -298,8 +298,8 @@ def forest(data: Inputs) -> Chart:
                 ratio,
                 _verdict_color(ratio.ci_low, ratio.ci_high, lower_is_better=True),
             )
-    pairs = [(f"{c['a']} / {c['b']}: {'batch-8' if c.get('metric') == 'batch throughput' else 'single'}",
-              {"value": c.get("ratio"), "ci_low": c.get("ci_low"), "ci_high": c.get("ci_high")})
+    pairs = [(f"{c.a} / {c.b}: {'batch-8' if c.metric == 'batch throughput' else 'single'}",
+              {"value": c.ratio, "ci_low": c.ci_low, "ci_high": c.ci_high})
              for c in data.report.comparisons]  # fmt: skip
     if not pairs:  # one variant against the standard only: the A/B's own throughput ratio
         pairs = [(f"{r.variant} / {data.report.standard}", r.ab_vs_standard.throughput_ratio.model_dump())

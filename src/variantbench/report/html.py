@@ -55,15 +55,15 @@ def _recommendations(report: Report) -> str:
         return '<p class="missing">No recommendation: no variant finished measuring.</p>'
     rows = []
     for profile, rec in report.recommendations.items():
-        reasons = rec.get("reasons") or {}
+        reasons = rec.reasons
         others = "".join(
-            f"<li><b>{_e(v)}</b>: {_e(why)}</li>" for v, why in reasons.items() if v != rec.get("variant")
+            f"<li><b>{_e(v)}</b>: {_e(why)}</li>" for v, why in reasons.items() if v != rec.variant
         )
-        why = _e(reasons.get(rec.get("variant"), rec.get("summary", "")))
+        why = _e(reasons.get(rec.variant or "", rec.summary))
         detail = f"<details><summary>the others</summary><ul>{others}</ul></details>" if others else ""
-        tied = ", ".join(rec.get("tied") or []) or "-"
-        rows.append([f"<b>{_e(profile)}</b><br><span class='meta'>{_e(rec.get('description', ''))}</span>",
-                     f"<span class='deploy'>{_e(rec.get('variant') or 'none')}</span>", why + detail, _e(tied)])  # fmt: skip
+        tied = ", ".join(rec.tied) or "-"
+        rows.append([f"<b>{_e(profile)}</b><br><span class='meta'>{_e(rec.description)}</span>",
+                     f"<span class='deploy'>{_e(rec.variant or 'none')}</span>", why + detail, _e(tied)])  # fmt: skip
     return _table(["profile", "deploy", "why", "tied with"], rows, numeric_from=99)
 
 

@@ -35,19 +35,19 @@ def summary_lines(report: Report) -> list[str]:
     """The summary section: a recommendation per scenario, then why any variant is slower."""
     lines = ["## Summary", ""]
     for name, rec in report.recommendations.items():
-        lines.append(f"- **{name}** ({rec.get('description', '')}): {rec.get('summary', '')}")
+        lines.append(f"- **{name}** ({rec.description}): {rec.summary}")
     diag = [r.diagnosis.summary for r in report.runs if r.diagnosis and " slower than " in r.diagnosis.summary
             and "not slower" not in r.diagnosis.summary]  # fmt: skip
     if diag:
         lines += ["", "Where a variant is slower than the standard:", ""]
         lines += [f"- {d}" for d in diag]
-    undecided = [c for c in report.comparisons if c["state"] == "undecided"
-                 and c.get("ratio") is not None and c.get("ci_low") is not None]  # fmt: skip
+    undecided = [c for c in report.comparisons if c.state == "undecided"
+                 and c.ratio is not None and c.ci_low is not None and c.ci_high is not None]  # fmt: skip
     if undecided:
         lines += ["", "Comparisons the measurements could not decide (treated as ties above):", ""]
-        lines += [f"- {c['a']} vs {c['b']} on {c['metric']}: {c['ratio']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]"
-                  + (f"; about {c['more_samples']} samples in all ({c['pairs']} so far) would likely decide it"
-                     if c.get("more_samples") else "")
+        lines += [f"- {c.a} vs {c.b} on {c.metric}: {c.ratio:.2f} [{c.ci_low:.2f}, {c.ci_high:.2f}]"
+                  + (f"; about {c.more_samples} samples in all ({c.pairs} so far) would likely decide it"
+                     if c.more_samples else "")
                   for c in undecided]  # fmt: skip
     stopped = report.stopped()
     if stopped:
@@ -245,15 +245,13 @@ def _decisions(report: Report) -> list[str]:
     band = (report.plan.get("analysis") or {}).get("tie_band", 3.0)
     rows = []
     for c in report.comparisons:
-        ci = (f"{c['ratio']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
-              if c.get("ratio") is not None and c.get("ci_low") is not None else "-")  # fmt: skip
-        more = c.get("more_samples")
-        rows.append([f"{c['a']} vs {c['b']}", c["metric"], ci, f"{c['confidence']:.1%}", str(c["pairs"]),
-                     f"**{c['state']}**", (f"about {more} samples in all" if more else "-")
-                     if c["state"] == "undecided" else "-"])  # fmt: skip
-    undecided = [
-        f"{c['a']} vs {c['b']} ({c['metric']})" for c in report.comparisons if c["state"] == "undecided"
-    ]
+        ci = (f"{c.ratio:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]"
+              if c.ratio is not None and c.ci_low is not None and c.ci_high is not None else "-")  # fmt: skip
+        more = c.more_samples
+        rows.append([f"{c.a} vs {c.b}", c.metric, ci, f"{c.confidence:.1%}", str(c.pairs),
+                     f"**{c.state}**", (f"about {more} samples in all" if more else "-")
+                     if c.state == "undecided" else "-"])  # fmt: skip
+    undecided = [f"{c.a} vs {c.b} ({c.metric})" for c in report.comparisons if c.state == "undecided"]
     return [
         "## Decisions",
         "",
@@ -319,11 +317,10 @@ def _recommendations(report: Report) -> list[str]:
     lines = ["## Recommendation per scenario", ""]
     for name, rec in report.recommendations.items():
         constraints = ", ".join(
-            f"{k}={v}" for k, v in (rec.get("constraints") or {}).items() if k not in ("name", "description")
+            f"{k}={v}" for k, v in rec.constraints.items() if k not in ("name", "description")
         )
-        lines += [f"### {name}", "", f"{rec.get('description', '')} ({constraints})", "",
-                  f"**{rec.get('summary', '')}**", ""]  # fmt: skip
-        for variant, why in (rec.get("reasons") or {}).items():
+        lines += [f"### {name}", "", f"{rec.description} ({constraints})", "", f"**{rec.summary}**", ""]
+        for variant, why in rec.reasons.items():
             lines.append(f"- {variant}: {why}")
         lines.append("")
     return lines

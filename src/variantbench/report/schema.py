@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.5"  # 1.5: typed batch_throughput, incomplete (a run that stopped)
+SCHEMA_VERSION = "1.5"  # 1.5: typed batch_throughput, execution, comparisons, recommendations; incomplete
 
 
 class _Model(BaseModel):
@@ -381,6 +381,36 @@ class RunReport(_Model):
     output_tokens: Tail = Field(default_factory=Tail)
 
 
+class Recommendation(_Model):
+    """One deployment profile's choice (``analysis/recommend.py``): the variant, why, and why not the others."""
+
+    variant: str | None = None  # None: no measured variant meets every constraint
+    reasons: dict[str, str] = Field(default_factory=dict)  # variant -> why it is chosen, or fails
+    undecided_quality: list[str] = Field(default_factory=list)  # kept out: quality not yet decided
+    eligible: list[str] = Field(default_factory=list)
+    tied: list[str] = Field(default_factory=list)
+    ranked_by: str = ""
+    constraints: dict[str, Any] = Field(default_factory=dict)  # open: the profile's own constraints
+    description: str = ""
+    summary: str = ""
+
+
+class PairComparison(_Model):
+    """``a`` against ``b`` on one metric, paired by sample (``metrics/sequential.py``): the ratio
+    a/b with its interval at the run's confidence, and where it lies against the tie band."""
+
+    a: str
+    b: str
+    metric: str  # "throughput" (output tokens/s, paired per sample) | "batch throughput"
+    ratio: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    confidence: float
+    pairs: int = 0
+    state: str  # "faster" | "slower" | "tied" | "undecided", a relative to b
+    more_samples: int | None = None  # undecided: pairs in all likely needed to decide
+
+
 class Look(_Model):
     """One look of an interleaved run at its data: how far it was, at what confidence, what was open."""
 
@@ -421,11 +451,11 @@ class Report(_Model):
     environment: dict[str, Any]
     runs: list[RunReport] = Field(default_factory=list)
     ceilings: dict[str, Any] = Field(default_factory=dict)  # measured matmul GFLOP/s and memory GB/s
-    recommendations: dict[str, Any] = Field(default_factory=dict)  # profile -> {variant, reasons, ...}
+    recommendations: dict[str, Recommendation] = Field(default_factory=dict)  # by profile
     # how the variants were run: interleaved or not (and why not), rounds, looks, why it stopped
     execution: Execution = Field(default_factory=Execution)
     # every pair of variants on paired throughput: faster, slower, tied or undecided, with intervals
-    comparisons: list[dict[str, Any]] = Field(default_factory=list)
+    comparisons: list[PairComparison] = Field(default_factory=list)
     # tasks whose scores carry no information: every variant scored every sample the same
     uninformative_tasks: dict[str, str] = Field(default_factory=dict)
     # planned variants with neither a query nor a result: the run stopped (or failed) before them

@@ -12,6 +12,7 @@ from variantbench.loadgen.validity import Target, judge
 from variantbench.metrics.latency import distribution, percentile
 from variantbench.metrics.quality import Scored, agreement, summarize_quality
 from variantbench.metrics.windows import active_s, stable, three_sigma, windows
+from variantbench.plan import default_of
 from variantbench.records import QueryRecord
 from variantbench.report.schema import (
     Goodput,
@@ -39,19 +40,20 @@ LATE_NS = 1_000_000  # a query issued more than 1 ms after its scheduled time is
 class Criteria:
     """What a run is judged against (the validity rules of the scenario)."""
 
-    percentile: float = 99.0
-    latency_target_ms: float | None = None
-    ttft_target_ms: float | None = None
-    tpot_target_ms: float | None = None
-    min_queries: int = 1
-    min_duration_s: float = 0.0
-    window: int = 50
-    confidence: float = 0.99
+    # built from the plan by ``pipeline/settings.criteria_for``; a default here is the plan's
+    percentile: float = default_of("targets.percentile")
+    latency_target_ms: float | None = default_of("targets.latency_ms")
+    ttft_target_ms: float | None = default_of("targets.ttft_ms")
+    tpot_target_ms: float | None = default_of("targets.tpot_ms")
+    min_queries: int = 1  # the plan derives its own from load.tasks (Plan.min_queries)
+    min_duration_s: float = default_of("limits.min_duration_s")
+    window: int = default_of("targets.window")
+    confidence: float = 0.99  # MLPerf's early-stopping confidence: a rule, not a setting
     seeds: dict[str, int] = field(default_factory=dict)
     target_qps: float | None = None
     goodput_slo_ms: dict[str, float] = field(default_factory=dict)  # ttft / tpot / e2el -> ms
-    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
-    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    percentile_metrics: tuple[str, ...] = default_of("output.percentile_metrics")
+    metric_percentiles: tuple[float, ...] = default_of("output.metric_percentiles")
 
     def slos(self) -> dict[str, float]:
         """Goodput's SLOs: the stated ones, else the run's targets (latency as end-to-end)."""

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from variantbench.errors import UserError
-from variantbench.plan import ServePlan
+from variantbench.plan import ServePlan, default_of
 from variantbench.serving.app import ServedModel
 from variantbench.serving.batching import ChunkedPrefill
 from variantbench.serving.scheduler import QueuePolicy
@@ -66,33 +66,30 @@ def parse_queue_policy(text: str) -> tuple[int, QueuePolicy]:
 WEIGHT_LAYOUTS = ("packed", "packed+split")
 
 
-def _default(name: str) -> Any:
-    """The plan's default of ``serve.NAME``: declared once, in ``plan.ServePlan``."""
-    return ServePlan.model_fields[name].default
-
-
 @dataclass(frozen=True)
 class ServeOptions:
     """What a served variant's batch and queues take, built from the plan's ``serve`` section
     (``from_plan``); its defaults are the plan's. ``aging_ms`` is the scheduler's own constant."""
 
-    max_batch_size: int = _default("max_batch_size")
-    max_wait_ms: float = _default("max_wait_ms")
-    max_queue: int = _default("max_queue")
-    queue_timeout_ms: float | None = _default("queue_timeout_ms")
-    max_len: int = _default("max_len")
+    max_batch_size: int = default_of("serve.max_batch_size")
+    max_wait_ms: float = default_of("serve.max_wait_ms")
+    max_queue: int = default_of("serve.max_queue")
+    queue_timeout_ms: float | None = default_of("serve.queue_timeout_ms")
+    max_len: int = default_of("serve.max_len")
     aging_ms: float = 1000.0
-    prefill_chunk: int = _default("prefill_chunk")  # prompt tokens per step, prefilled beside the decode rows
+    prefill_chunk: int = default_of(
+        "serve.prefill_chunk"
+    )  # prompt tokens per step, prefilled beside the decode rows
     # keys/values of prompt prefixes kept for reuse (llama.cpp: finished prompts kept); 0: off
-    prefix_cache_mb: float = _default("prefix_cache_mb")
+    prefix_cache_mb: float = default_of("serve.prefix_cache_mb")
     policies: dict[int, QueuePolicy] = field(default_factory=dict)  # per priority level
     # level 0's first-token objective unless its own policy sets one (None: none); the seeds' promise
-    ttft_slo_ms: float | None = _default("ttft_slo_ms")
-    kv_cache: str = _default("kv_cache")  # torch engine: paged | contiguous
-    kv_cache_gb: float | None = _default("kv_cache_gb")  # None: 80% of the memory available at start
+    ttft_slo_ms: float | None = default_of("serve.ttft_slo_ms")
+    kv_cache: str = default_of("serve.kv_cache")  # torch engine: paged | contiguous
+    kv_cache_gb: float | None = default_of("serve.kv_cache_gb")  # None: 80% of the memory available at start
     # torch engine, fp32 on CPU: "packed" keeps one copy of each layer's weights (idle RSS ~0.7x
     # less); "packed+split" adds the split-K copy that decodes one row ~10% faster
-    weight_layout: str = _default("weight_layout")
+    weight_layout: str = default_of("serve.weight_layout")
 
     @classmethod
     def from_plan(cls, s: ServePlan) -> ServeOptions:
