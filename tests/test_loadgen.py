@@ -222,7 +222,7 @@ def test_summary_reports_validity_against_a_latency_target() -> None:
     records = [_rec(i, 50.0) for i in range(500)]
     ok = summarize_run("v", records, Resources(), scenario="server",
                        criteria=Criteria(latency_target_ms=60, min_queries=500))  # fmt: skip
-    assert ok.validity.verdict == "VALID" and ok.validity.checks["latency"]["result"] == "PASS"
+    assert ok.validity.verdict == "VALID" and ok.validity.checks["latency"].result == "PASS"
     short = summarize_run("v", records[:100], Resources(), scenario="server",
                           criteria=Criteria(latency_target_ms=60, min_queries=100))  # fmt: skip
     assert short.validity.verdict == "INVALID"

@@ -16,14 +16,17 @@ from variantbench.records import QueryRecord
 from variantbench.report.results import Fidelity, VariantResult
 from variantbench.report.schema import (
     AB,
+    AcrossRepeats,
     BatchThroughput,
     Cost,
     Incomplete,
     PairComparison,
     PeakSearch,
     Recommendation,
+    RepeatRow,
     Report,
     RunReport,
+    Spread,
 )
 from variantbench.report.summary import compare_to_standard, summarize_run
 
@@ -322,15 +325,10 @@ def combine_repeats(repeats: list[RunReport], standard_repeats: list[RunReport])
     if len(repeats) < 2:
         return main
     main.repeats = [
-        {
-            "repeat": i,
-            "status": r.status,
-            "latency_p50_ms": r.latency_ms.p50,
-            "latency_p99_ms": r.latency_ms.p99,
-            "output_tokens_per_s": r.throughput.output_tokens_per_s,
-        }  # fmt: skip
+        RepeatRow(repeat=i, status=r.status, latency_p50_ms=r.latency_ms.p50, latency_p99_ms=r.latency_ms.p99,
+                  output_tokens_per_s=r.throughput.output_tokens_per_s)
         for i, r in enumerate(repeats)
-    ]
+    ]  # fmt: skip
     if main.ab_vs_standard is not None and standard_repeats:
         p50, tput = [], []
         for mine, theirs in zip(repeats, standard_repeats, strict=False):
@@ -338,10 +336,8 @@ def combine_repeats(repeats: list[RunReport], standard_repeats: list[RunReport])
                 p50.append(mine.latency_ms.p50 / theirs.latency_ms.p50)
                 if mine.throughput.output_tokens_per_s and theirs.throughput.output_tokens_per_s:
                     tput.append(mine.throughput.output_tokens_per_s / theirs.throughput.output_tokens_per_s)
-        main.ab_vs_standard.across_repeats = {
-            "latency_p50_ratio": across_runs(p50),
-            "throughput_ratio": across_runs(tput),
-        }
+        main.ab_vs_standard.across_repeats = AcrossRepeats(latency_p50_ratio=Spread(**across_runs(p50)),
+                                                           throughput_ratio=Spread(**across_runs(tput)))  # fmt: skip
     return main
 
 

@@ -434,9 +434,7 @@ def find_peak(job: MeasureJob, backend: Any, log: QueryLog, progress: Any, emit:
                                 criteria=replace(job.criteria, target_qps=rate))  # fmt: skip
         checks = summary.validity.checks
         passed = (
-            bool(checks)
-            and all(c["result"] == "PASS" for c in checks.values())
-            and not summary.queries.errors
+            bool(checks) and all(c.result == "PASS" for c in checks.values()) and not summary.queries.errors
         )
         trials.append(PeakTrial(rate_qps=rate, passed=passed, latency_p99_ms=summary.latency_ms.p99,
                                 achieved_qps=summary.achieved_qps, reasons=summary.validity.reasons,

@@ -154,11 +154,11 @@ def _ab(report: Report) -> list[str]:
             continue
         across = ""
         if ab.across_repeats:
-            lat = ab.across_repeats.get("latency_p50_ratio") or {}
-            if lat.get("mean") is not None:
-                across = f"{lat['mean']:.2f}" + (
-                    f" [{lat['ci_low']:.2f}, {lat['ci_high']:.2f}] over {lat['n']} runs"
-                    if lat.get("ci_low") is not None
+            lat = ab.across_repeats.latency_p50_ratio
+            if lat.mean is not None:
+                across = f"{lat.mean:.2f}" + (
+                    f" [{lat.ci_low:.2f}, {lat.ci_high:.2f}] over {lat.n} runs"
+                    if lat.ci_low is not None and lat.ci_high is not None
                     else ""
                 )
         basis = f"paired, {ab.pairs} samples" if ab.paired else "unpaired"

@@ -25,9 +25,9 @@ def run_summary(report: Report, run: RunReport) -> str:
         lines.append(f"  recommendation : {rec}")
     for name, check in run.validity.checks.items():
         lines.append(
-            f"  {name} p{check['percentile']:g} target {check['target_ms']:g} ms : {check['result']} "
-            f"(observed {_f(check['observed_ms'], '{:.1f}')} ms, early-stopping estimate "
-            f"{_f(check['early_stopping_estimate_ms'], '{:.1f}')} ms, {check['over_target']}/{check['queries']} over)"
+            f"  {name} p{check.percentile:g} target {check.target_ms:g} ms : {check.result} "
+            f"(observed {_f(check.observed_ms, '{:.1f}')} ms, early-stopping estimate "
+            f"{_f(check.early_stopping_estimate_ms, '{:.1f}')} ms, {check.over_target}/{check.queries} over)"
         )
     lines += [
         "",

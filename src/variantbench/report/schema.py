@@ -184,6 +184,22 @@ class Ratio(_Model):
     ci_high: float | None = None
 
 
+class Spread(_Model):
+    """One number measured in several repeated runs: its mean and 95% t-interval."""
+
+    n: int = 0
+    mean: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+class AcrossRepeats(_Model):
+    """--repeats: this variant's ratios to the standard's run of the same index, across the runs."""
+
+    latency_p50_ratio: Spread = Field(default_factory=Spread)
+    throughput_ratio: Spread = Field(default_factory=Spread)
+
+
 class AB(_Model):
     """This variant against the standard: paired per sample where both answered the same samples."""
 
@@ -202,7 +218,7 @@ class AB(_Model):
     p_value: float | None = None  # two-sided: Wilcoxon signed-rank on the pairs, else Mann-Whitney U
     verdict: str = "no significant difference"  # "faster" | "slower" | "no significant difference"
     summary: str = ""
-    across_repeats: dict[str, Any] | None = None  # --repeats: mean and 95% CI of each run's ratios
+    across_repeats: AcrossRepeats | None = None  # --repeats: mean and 95% CI of each run's ratios
 
 
 class Cost(_Model):
@@ -243,11 +259,23 @@ class LagDist(_Model):
     max: float | None = None
 
 
+class TargetCheck(_Model):
+    """One latency target judged by MLPerf's early-stopping rule (``loadgen/validity.py``)."""
+
+    target_ms: float
+    percentile: float
+    observed_ms: float | None = None
+    over_target: int = 0
+    queries: int = 0
+    early_stopping_estimate_ms: float | None = None
+    result: str = "FAIL"  # "PASS" | "FAIL"
+
+
 class Validity(_Model):
     verdict: str = "VALID"  # "VALID" | "INVALID"
     reasons: list[str] = Field(default_factory=list)
     recommendations: list[str] = Field(default_factory=list)
-    checks: dict[str, Any] = Field(default_factory=dict)  # per target: observed, PASS/FAIL, early stopping
+    checks: dict[str, TargetCheck] = Field(default_factory=dict)  # per target (latency, ttft, tpot)
 
 
 class WindowReport(_Model):
@@ -327,6 +355,16 @@ class Queries(_Model):
     errors: int = 0
 
 
+class RepeatRow(_Model):
+    """--repeats: one run's key numbers."""
+
+    repeat: int
+    status: str
+    latency_p50_ms: float | None = None
+    latency_p99_ms: float | None = None
+    output_tokens_per_s: float | None = None
+
+
 class RunReport(_Model):
     variant: str
     status: str = "ok"  # "ok" | "failed"
@@ -372,7 +410,7 @@ class RunReport(_Model):
     cost: Cost | None = None
     ab_vs_standard: AB | None = None
     diagnosis: Diagnosis | None = None
-    repeats: list[dict[str, Any]] = Field(default_factory=list)  # --repeats: each run's key numbers
+    repeats: list[RepeatRow] = Field(default_factory=list)  # --repeats: each run's key numbers
     # decode tokens/s at batch 8, measured several times (interleaved): mean, 95% t-interval, values
     batch_throughput: BatchThroughput | None = None
     incomplete: Incomplete | None = None  # None: every phase asked of it finished
