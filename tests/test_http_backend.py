@@ -179,3 +179,48 @@ def test_four_sender_processes_keep_exactly_once_books_over_dropped_connections(
     ok = [r for r in records if r.status == "ok"]
     assert all(r.issued_ns >= r.scheduled_ns and r.completed_ns >= r.issued_ns for r in ok)
     assert all(r.output_tokens == 6 for r in ok)
+
+
+def _streaming_app(body: list[bytes]):  # noqa: ANN202
+    """A server that answers every completion with these SSE chunks, as they are."""
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        for chunk in body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+TOKEN = b'data: {"choices": [{"text": "tok"}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        # the server gives up mid-answer, then closes the stream properly: not a shorter answer
+        (
+            [
+                TOKEN,
+                TOKEN,
+                b'data: {"error": {"message": "out of KV cache", "type": "server_error"}}\n\n',
+                b"data: [DONE]\n\n",
+            ],
+            "error event mid-stream after 2 tokens: out of KV cache",
+        ),
+        ([TOKEN, TOKEN], "stream ended without [DONE] after 2 tokens"),  # closed cleanly, cut short
+        ([TOKEN, b"data: " + b"x" * (1 << 20) + b"y"], "an SSE line over 1 MiB without a newline"),
+    ],
+)
+def test_a_failure_inside_the_stream_is_an_error_record_not_an_answer(body: list[bytes], said: str) -> None:
+    with ThreadServer(app=_streaming_app(body)) as srv:
+        result = OpenAIBackend(srv.url, model="m").generate([GenerationRequest("a", prompt="x")])[0]
+    assert result.status == "error" and result.error == said, result.error
+    with ThreadServer(app=_streaming_app([TOKEN, TOKEN, b"data: [DONE]\n\n"])) as srv:
+        whole = OpenAIBackend(srv.url, model="m").generate([GenerationRequest("a", prompt="x")])[0]
+    assert whole.status == "ok" and whole.text == "toktok" and len(whole.token_ns) == 2

@@ -87,3 +87,36 @@ def test_the_plan_reference_lists_every_setting_with_its_default_and_flag() -> N
     assert [p for p in paths if f"| `{p}` |" not in page] == []
     assert "| `load.rate_qps` | float | required | `--rate` | server: target queries/s |" in page
     assert "| `analysis.batch_rounds` | int | `3` |" in page
+
+
+def test_a_run_folder_in_use_is_refused_or_moved_aside_with_its_history(tmp_path: Path) -> None:
+    """Nothing measured is destroyed: a folder that holds a run is refused in one line; with
+    --overwrite it moves aside to OUT.1 (then OUT.2), and its history rows follow it."""
+    from variantbench.errors import UserError
+    from variantbench.history import History
+    from variantbench.pipeline.run import claim_folder
+    from variantbench.plan import Plan
+
+    out, db = tmp_path / "out", tmp_path / "history.db"
+    claim_folder(Plan(out=out), say=print)  # absent: nothing to do
+    out.mkdir()
+    claim_folder(Plan(out=out), say=print)  # empty: nothing to do
+    (out / "report.json").write_text("{}")
+    with pytest.raises(UserError, match=f"{out} already holds a run: --overwrite moves it aside to {out}.1"):
+        claim_folder(Plan(out=out), say=print)
+    with History(db) as h:
+        h.db.execute("INSERT INTO runs (run_key, created_utc, folder, plan_hash, model_name, variant, variant_spec, "
+                     "scenario, status, machine_fingerprint, machine, code_version, metrics) VALUES "
+                     "('k', 't', ?, 'p', 'm', 'fp32', 'fp32', 's', 'ok', 'f', '{}', 'v', '{}')", (str(out.resolve()),))  # fmt: skip
+        h.db.commit()
+    said: list[str] = []
+    plan = Plan.model_validate({"out": str(out), "output": {"overwrite": True, "history": str(db)}})
+    claim_folder(plan, say=said.append)
+    assert not out.exists() and (tmp_path / "out.1" / "report.json").read_text() == "{}"
+    assert said == [f"moved the run that was in {out} aside to {out}.1 (1 history rows follow it)"]
+    with History(db) as h:
+        assert [r["folder"] for r in h.rows()] == [str((tmp_path / "out.1").resolve())]
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="already holds files: --overwrite moves it aside to .*out.2"):
+        claim_folder(Plan(out=out), say=print)

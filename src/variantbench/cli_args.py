@@ -75,6 +75,7 @@ FLAGS: dict[str, Location] = {
     "--csv": ("output", "csv"),
     "--history": ("output", "history"),
     "--record-history": ("output", "record_history"),
+    "--overwrite": ("output", "overwrite"),
     "--cost-per-hour": ("cost", "per_hour"),
     "--devices": ("cost", "devices"),
     "--currency": ("cost", "currency"),

@@ -237,6 +237,13 @@ class History:
             raise
         return ids
 
+    def relocate(self, old: Path, new: Path) -> int:
+        """Rows recorded from ``old`` now point at ``new`` (a run folder moved aside); how many."""
+        cur = self.db.execute("UPDATE runs SET folder = ? WHERE folder = ?",
+                              (str(Path(new).resolve()), str(Path(old).resolve())))  # fmt: skip
+        self.db.commit()
+        return int(cur.rowcount or 0)
+
     def get(self, run_id: int) -> dict[str, Any] | None:
         row = self.db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
         return None if row is None else {**dict(row), "metrics": json.loads(row["metrics"])}

@@ -364,6 +364,7 @@ class OutputPlan(_Section):
     csv: bool = Field(False, description="also write queries.csv (report.csv is always written)")
     history: Path | None = Field(None, description="the results history (SQLite) this run is recorded in (default: <cache>/history.db)")  # fmt: skip
     record_history: bool = Field(True, description="record this run in the history (--no-history: do not)")
+    overwrite: bool = Field(False, description="an existing run in the out folder is moved aside to OUT.N (never deleted; its history rows follow it) before this run")  # fmt: skip
     percentile_metrics: tuple[str, ...] = Field(PERCENTILE_METRICS, description="metrics whose percentiles every run reports: ttft, tpot, itl, e2el (vLLM's --percentile-metrics)")  # fmt: skip
     metric_percentiles: tuple[float, ...] = Field((50.0, 90.0, 99.0), description="the percentiles reported for them (vLLM's --metric-percentiles)")  # fmt: skip
     html: bool = Field(True, description="write report.html (plotly charts, about 5 MB); the monitor's probes skip it")  # fmt: skip

@@ -187,6 +187,10 @@ class OpenAIBackend:
                 async for data in resp.content.iter_any():
                     now = time.perf_counter_ns()
                     *lines, rest = (rest + data).split(b"\n")
+                    if len(rest) > MAX_LINE_BYTES:  # a server that sends no newlines: not buffered forever
+                        return _error(
+                            req, start, f"an SSE line over {MAX_LINE_BYTES >> 20} MiB without a newline"
+                        )
                     for raw in lines:
                         event = _sse_event(raw)
                         if event is _DONE:
@@ -194,6 +198,9 @@ class OpenAIBackend:
                             break
                         if isinstance(event, str):
                             return _error(req, start, event)
+                        if event is not None and "error" in event:  # the server gave up mid-answer
+                            return _error(req, start, f"error event mid-stream after {len(token_ns)} tokens: "
+                                                      f"{_error_message(event['error'])}")  # fmt: skip
                         if event is not None:
                             usage = event.get("usage") or usage
                             text = _chunk_text(event)
@@ -207,6 +214,8 @@ class OpenAIBackend:
         except aiohttp.ClientError as exc:
             return _error(req, start, f"{type(exc).__name__}: {exc}")
         end = time.perf_counter_ns()
+        if not done:  # a connection closed cleanly mid-answer is not a shorter answer
+            return _error(req, start, f"stream ended without [DONE] after {len(token_ns)} tokens")
         if not token_ns and usage is None:
             return _error(req, start, "stream ended without any token")
         output_tokens = int(usage.get("completion_tokens", len(token_ns))) if usage else len(token_ns)
@@ -296,6 +305,14 @@ class OpenAIBackend:
 
 
 _DONE = object()
+MAX_LINE_BYTES = 1 << 20  # one SSE line: a streamed chunk is a few hundred bytes
+
+
+def _error_message(error: Any) -> str:
+    """An OpenAI-style ``{"error": {"message": ...}}`` event's message (or whatever it holds)."""
+    message = error.get("message") if isinstance(error, dict) else error
+    text = str(message if message is not None else error).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
 
 
 def _sse_event(raw: bytes) -> dict[str, Any] | str | object | None:

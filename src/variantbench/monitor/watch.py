@@ -106,7 +106,10 @@ class Monitor:
         self.log = settings.out / "monitor.jsonl"
         try:
             settings.out.mkdir(parents=True, exist_ok=True)
-            self.log.write_text("")
+            # a restarted monitor appends: its earlier probes stay, numbering goes on after them
+            self.first = 1 + (sum(1 for line in self.log.open(encoding="utf-8") if line.strip())
+                              if self.log.exists() else 0)  # fmt: skip
+            self.log.touch()
         except OSError as exc:
             raise UserError(
                 f"cannot write the monitor's folder {settings.out}: {exc.strerror or exc}"
@@ -147,7 +150,7 @@ class Monitor:
         for metric, det in self.detectors.items():
             # the first probe warms the server and our client up (on the tiny test model its P99 ran
             # 66 ms against 47 ms later): logged, never part of the baseline
-            alert = det.update(n, at, values.get(metric)) if n > WARMUP_PROBES else None
+            alert = det.update(n, at, values.get(metric)) if n - self.first + 1 > WARMUP_PROBES else None
             if values.get(metric) is not None:
                 self.exporter.value.labels(metric).set(values[metric])
             self.exporter.cusum.labels(metric).set(det.s)
@@ -190,7 +193,7 @@ class Monitor:
         try:
             while self.s.probes is None or n < self.s.probes:
                 n += 1
-                self.probe(n)
+                self.probe(self.first + n - 1)
                 if self.s.probes is not None and n >= self.s.probes:
                     break
                 time.sleep(max(0.0, t0 + n * self.s.every_s - time.monotonic()))

@@ -51,6 +51,40 @@ from variantbench.variants.spec import Artifact, VariantSpec, plain_artifact
 from variantbench.workloads.base import Workload
 
 
+def claim_folder(plan: Plan, say: Callable[[str], None]) -> None:
+    """A fresh run writes into an empty folder: one that holds anything is refused in one line, or
+    with ``output.overwrite`` moved aside to ``OUT.N`` (never deleted), the history's rows of the
+    run it holds following it. ``--resume`` and a resumed search keep the folder instead."""
+    out = plan.out
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    n = 1
+    while Path(f"{out}.{n}").exists():
+        n += 1
+    aside = Path(f"{out}.{n}")
+    if not plan.output.overwrite:
+        held = "a run" if (out / "report.json").exists() or (out / "queries.jsonl").exists() else "files"
+        raise UserError(f"{out} already holds {held}: --overwrite moves it aside to {aside}, "
+                        f"--resume {out} continues it, or --out names another folder")  # fmt: skip
+    try:
+        out.rename(aside)
+    except OSError as exc:
+        raise UserError(f"cannot move {out} aside to {aside}: {exc.strerror or exc}") from None
+    moved = 0
+    if plan.output.record_history:
+        from variantbench.history import History
+
+        try:
+            with History(plan.output.history) as history:
+                moved = history.relocate(out, aside)
+        except Exception as exc:  # noqa: BLE001 - a history that cannot be written costs the run nothing
+            say(f"the history still points at {out}: {exc}".splitlines()[0])
+    say(
+        f"moved the run that was in {out} aside to {aside}"
+        + (f" ({moved} history rows follow it)" if moved else "")
+    )
+
+
 def check_writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -239,6 +273,8 @@ def prepare(plan: Plan, console: Console, keep: bool = False, resume: bool = Fal
     from variantbench.variants.support import check_support
 
     out = plan.out
+    if not keep:
+        claim_folder(plan, say=lambda msg: console.print(f"[dim]{msg}[/dim]", soft_wrap=True))
     check_writable(out)
     if not plan.served:
         require("local", "a local model (model.source)")
