@@ -27,6 +27,8 @@ import contextlib
 from dataclasses import dataclass, field
 import itertools
 import json
+import logging
+import math
 import time
 from typing import Any
 import uuid
@@ -50,6 +52,8 @@ from variantbench.serving.batching import KvMemory
 from variantbench.serving.scheduler import Rejected
 from variantbench.serving.scoring import is_token_ids, outside_vocab
 from variantbench.serving.worker import BatchWorker
+
+LOG = logging.getLogger("variantbench.serving")
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # scoring's top log-probabilities per position (vLLM's cap; OpenAI's is 5)
@@ -193,6 +197,50 @@ class Metrics:
 
 # ---- request parsing -----------------------------------------------------------------------------
 
+MAX_BODY_BYTES = 4 << 20  # a request body: a 128k-token prompt as text is under 1 MiB
+MAX_DEPTH = 32  # nesting of a request body (chat content parts are 4 deep)
+MAX_DEADLINE_MS = 86_400_000.0  # a day: beyond it a deadline says nothing (1e308 overflowed the worker)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 4xx: too large (413), not JSON (NaN and Infinity are
+    not), nested too deeply, or holding a string that is not valid Unicode (a lone surrogate)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    try:
+        body = json.loads(raw, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} deep") from None
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_tree(body, 0)
+    return body
+
+
+def _check_tree(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} deep")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, "the request body holds a string that is not valid Unicode (a lone surrogate)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_tree(key, depth + 1)
+            _check_tree(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_tree(item, depth + 1)
+
 
 def _int(body: dict[str, Any], name: str, default: int | None, low: int | None = None,
          high: int | None = None) -> int | None:  # fmt: skip
@@ -212,8 +260,8 @@ def _number(body: dict[str, Any], name: str, low: float, high: float | None) -> 
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(value)[:40]}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a finite number, got {json.dumps(value)[:40]}", name)
     if value < low or (high is not None and value > high):
         bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
         raise ApiError(400, f"'{name}' must be {bound}, got {value}", name)
@@ -369,13 +417,7 @@ class Server:
         return self.models[name]
 
     async def _parse(self, request: Request, chat: bool) -> tuple[Parsed, ServedModel, str | None]:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+        body = parse_body(await request.body())
         target = self._model(body.get("model"))
         _int(body, "n", 1, 1, 1)
         _number(body, "temperature", 0.0, 2.0)
@@ -414,7 +456,7 @@ class Server:
                            f"requested {len(ids) + max_new} tokens ({len(ids)} in the prompt, {max_new} for "
                            f"the completion).", name if len(ids) < target.max_len else "prompt",
                            "context_length_exceeded")  # fmt: skip
-        deadline = _number(body, "deadline_ms", 1.0, None)
+        deadline = _number(body, "deadline_ms", 1.0, MAX_DEADLINE_MS)
         parsed = Parsed(
             model=body["model"], ids=ids, max_new=max_new, stream=stream,
             include_usage=bool(options.get("include_usage")), stop=_stop_strings(body),
@@ -451,9 +493,9 @@ class Server:
     async def completions(self, request: Request) -> Response:
         raw = await request.body()  # starlette keeps it: _parse reads it again
         if b'"echo"' in raw:
-            with contextlib.suppress(ValueError):
-                body = json.loads(raw)
-                if isinstance(body, dict) and body.get("echo") is True:
+            with contextlib.suppress(ApiError):  # a bad body gets its 4xx from the generation path
+                body = parse_body(raw)
+                if body.get("echo") is True:
                     return await self._score(body)
         return await self._generate(request, chat=False)
 
@@ -518,13 +560,7 @@ class Server:
         return target if target is not None else self.models[self.router.light]  # None: name is the router's
 
     async def _json(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return parse_body(await request.body())
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...]}``."""
@@ -785,6 +821,13 @@ def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s
     async def not_allowed(request: Request, exc: Exception) -> Response:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
+    async def internal(request: Request, exc: Exception) -> Response:
+        """A bug we see, not a hang: logged with a request id the client is given too."""
+        rid = uuid.uuid4().hex[:12]
+        LOG.error("request %s %s %s failed: %s", rid, request.method, request.url.path, exc, exc_info=exc)
+        return ApiError(500, f"internal error (request id {rid}): {type(exc).__name__}", kind="server_error",
+                        code="internal_error").response()  # fmt: skip
+
     app = Starlette(
         routes=[
             Route("/health", server.health, methods=["GET"]),
@@ -797,7 +840,7 @@ def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s
             Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={404: not_found, 405: not_allowed},
+        exception_handlers={404: not_found, 405: not_allowed, Exception: internal},
     )
     app.state.server = server
     return app
