@@ -152,29 +152,24 @@ def _batch_rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
     """The batching-throughput measurements, in turns as well (rotated each round)."""
     from variantbench.pipeline.measure import BATCH_NEW, BATCH_SIZE
 
-    left = {
-        n: j.batch_rounds
-        - (len(j.resume.batch_decode.tokens_per_s) if j.resume and j.resume.batch_decode else 0)
-        for n, j in jobs.items()
-    }  # a resumed variant: the rounds it has not measured yet
+    # a resumed variant: the rounds it measured before the kill are not measured again
+    measured = {n: len(j.resume.batch_decode.tokens_per_s) if j.resume and j.resume.batch_decode else 0
+                for n, j in jobs.items()}  # fmt: skip
     rounds = max((j.batch_rounds for j in jobs.values()), default=0)
     for r in range(rounds):
         if not sessions:  # every variant failed
             return
         for name in round_order(list(sessions), r, "single-stream", 0):
-            if r < jobs[name].batch_rounds - left[name]:
-                continue
-            try:
-                sessions[name].call("batch_rate", BATCH_SIZE, BATCH_NEW, on_event=on_event(name))
-            except JobFailed as exc:
-                out.failures[name] = str(exc)
-                sessions.pop(name).close()
+            if r >= measured[name]:
+                _call(sessions, out, name, "batch_rate", BATCH_SIZE, BATCH_NEW, on_event=on_event(name))
 
 
 def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Plan, out: Outcome,
             on_event: Callable[[str], OnEvent], say: Callable[[str], None]) -> None:  # fmt: skip
     if not sessions:
         return
+    # a resumed run: the blocks each variant answered before the kill (out.records starts with them)
+    answered = {name: {r.block for r in records} for name, records in out.records.items()}
     load = next(iter(jobs.values())).load
     a = plan.analysis
     looks = a.looks if a.until_decided else 1
@@ -192,16 +187,13 @@ def _rounds(sessions: dict[str, Session], jobs: dict[str, MeasureJob], plan: Pla
         settings = replace(load, first_query=done, min_queries=n, max_queries=n, min_duration_s=0.0,
                            max_duration_s=None, block=out.rounds)  # fmt: skip
         for name in round_order(list(sessions), out.rounds, load.scenario, plan.seeds.schedule):
-            if any(r.block == out.rounds for r in out.records[name]):
+            if out.rounds in answered.get(name, ()):
                 continue  # a resumed run: answered before the kill
-            try:
-                emit = on_event(name)
-                got = sessions[name].call("block", settings, on_event=_no_block_progress(emit))
+            emit = on_event(name)
+            got = _call(sessions, out, name, "block", settings, on_event=_no_block_progress(emit))
+            if got is not None:
                 out.records[name].extend(QueryRecord.from_json(r) for r in got)
                 emit(("status", f"round {out.rounds + 1}: {len(out.records[name])} queries measured"))
-            except JobFailed as exc:
-                out.failures[name] = str(exc)
-                sessions.pop(name).close()
         done += n
         out.rounds += 1
         if out.rounds == max(1, per_pass // 2) and look == 0:
@@ -259,13 +251,9 @@ def _quality_look(sessions: dict[str, Session], jobs: dict[str, MeasureJob], out
         return []  # nothing to score quality by: it cannot hold the run
     ids = list(dict.fromkeys(r.sample_id for r in std_records))
     for name in [standard, *(n for n in sessions if n != standard)]:
-        try:
-            out.likelihood.setdefault(name, []).extend(
-                sessions[name].call("likelihood", ids, on_event=on_event(name))
-            )
-        except JobFailed as exc:
-            out.failures[name] = str(exc)
-            sessions.pop(name).close()
+        got = _call(sessions, out, name, "likelihood", ids, on_event=on_event(name))
+        if got is not None:
+            out.likelihood.setdefault(name, []).extend(got)
 
     if standard not in sessions:  # its scoring failed: nothing to compare with
         return []

@@ -603,7 +603,9 @@ def _measure_interleaved(ctx: RunContext, progress: Progress, console: Console) 
         for variant in ctx.order:
             if variant not in jobs and variant not in errors:
                 continue
-            ctx.records.extend(r for r in outcome.records.get(variant, []) if r not in kept.get(variant, ()))
+            ctx.records.extend(
+                outcome.records.get(variant, [])[len(kept.get(variant, [])) :]
+            )  # after the kept
             error = errors.get(variant) or outcome.failures.get(variant)
             if error:
                 result = failed(variant, repeat, error)
