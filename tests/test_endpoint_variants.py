@@ -12,6 +12,8 @@ import sys
 from conftest import served
 import pytest
 
+from variantbench.errors import UserError
+
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir: Path):  # noqa: ANN201
@@ -112,28 +114,34 @@ def _recording_app(seen: list[tuple[dict[str, str], bytes]], tokens: int = 4):  
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        seen.append((headers | {"path": scope["path"]}, body))
+        seen.append((headers | {"path": scope["path"], "query": scope["query_string"].decode()}, body))
         return await inner(scope, replay, send)
 
     return recording
 
 
-def test_api_key_headers_and_extra_body_reach_the_server(
+def test_api_key_headers_and_extra_body_reach_the_server_and_no_secret_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Issue 41, item 9: a key from the environment, a literal header value, URL user-info and a query
+    string reach the server, and none of them is in any file the run wrote (the history included)."""
     from variantbench.loadgen.noop_server import ThreadServer
-    from variantbench.pipeline.run import execute
+    from variantbench.pipeline.run import execute, resume_run
     from variantbench.plan import Plan
 
     seen: list[tuple[dict[str, str], bytes]] = []
     recording = _recording_app(seen)
     monkeypatch.setenv("TEAM_KEY", "sk-test-123")
     monkeypatch.setenv("TENANT", "acme")
+    secrets = ("sk-test-123", "planted-header", "planted-pass", "planted-query")
+    out = tmp_path / "out"
     with ThreadServer(app=recording) as srv:
+        url = srv.url.replace("http://", "http://user:planted-pass@") + "/v1?token=planted-query"
         execute(Plan.model_validate({
-            "out": str(tmp_path / "out"), "variants": ["gw"], "output": {"record_history": False},
-            "endpoints": {"gw": {"url": srv.url + "/v1", "api_key_env": "TEAM_KEY",
-                                 "headers": {"X-Tenant": "$TENANT", "X-Plain": "yes"}, "extra_body": {"top_k": 1}}},
+            "out": str(out), "variants": ["gw"], "output": {"history": str(tmp_path / "history.db")},
+            "endpoints": {"gw": {"url": url, "api_key_env": "TEAM_KEY",
+                                 "headers": {"X-Tenant": "$TENANT", "X-Plain": "planted-header"},
+                                 "extra_body": {"top_k": 1}}},
             "load": {"scenario": "single-stream", "tasks": 3}, "workload": {"max_new_tokens": 4},
         }))  # fmt: skip
     assert [h["path"] for h, _ in seen][0] == "/v1/models"
@@ -142,13 +150,21 @@ def test_api_key_headers_and_extra_body_reach_the_server(
     assert len(generations) >= 3
     for headers, _ in seen:  # every request, /v1/models included
         assert headers["authorization"] == "Bearer sk-test-123"
-        assert headers["x-tenant"] == "acme" and headers["x-plain"] == "yes"
+        assert headers["x-tenant"] == "acme" and headers["x-plain"] == "planted-header"
+        assert headers["query"] == "token=planted-query"
     assert all(body["top_k"] == 1 and body["model"] == "noop" for _, body in generations)
-    # the key itself never lands in the run's files
-    written = "".join(
-        f.read_text() for f in (tmp_path / "out").glob("*.*") if f.suffix in (".yaml", ".json", ".md")
-    )
-    assert "sk-test-123" not in written and "TEAM_KEY" in written
+    # no secret in any file the run wrote, nor in the history; the references ($NAME) are kept
+    files = [f for f in [*out.rglob("*"), tmp_path / "history.db"] if f.is_file()]
+    assert len(files) >= 5
+    for f in files:
+        data = f.read_bytes()
+        for secret in secrets:
+            assert secret.encode() not in data, (f, secret)
+    plan = (out / "plan.yaml").read_text()
+    assert "TEAM_KEY" in plan and "$TENANT" in plan and "X-Plain: '***'" in plan and "user:" not in plan
+    # a plan whose literal secret was not written cannot resume with it: one line says what to do
+    with pytest.raises(UserError, match=r"endpoints.gw.(url|headers.X-Plain) was given literally"):
+        resume_run(out)
 
 
 def test_served_and_local_variants_do_not_mix_and_a_missing_key_is_one_line(tmp_path: Path) -> None:

@@ -125,6 +125,39 @@ def test_jsonl_with_bad_lines_names_them(tmp_path: Path) -> None:
     assert [r["line"] for r in w.describe()["skipped_records"]] == [3, 4, 5]
 
 
+def test_hostile_workload_files_are_one_line_errors(tmp_path: Path) -> None:
+    """Issue 41: separators inside JSON strings, lone surrogates, NULs, deep nesting, huge CSV fields."""
+    from variantbench.workloads.files import MAX_FIELD_CHARS
+
+    # U+2028 and U+0085 are JSON string content, not record separators; CRLF ends a record
+    (tmp_path / "sep.jsonl").write_bytes(
+        json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False).encode()
+        + b"\r\n"
+        + b'{"prompt": "d"}\r\n'
+    )
+    w = load_workload_file(tmp_path / "sep.jsonl")
+    assert [s.prompt for s in w.samples] == ["a\u2028b\u0085c", "d"]
+    cases = {
+        "sur.jsonl": ('{"prompt": "ok"}\n{"messages": [{"role": "user", "content": "x\\ud800"}]}\n',
+                      "line 2: 'messages[0].content' is not valid Unicode"),
+        "deep.jsonl": ('{"prompt": "x", "extra": ' + "[" * 5000 + "]" * 5000 + "}\n", "line 1: nested more than 64"),
+        "deep2.jsonl": ('{"prompt": "x", "extra": ' + "[" * 70 + "]" * 70 + "}\n", "line 1: nested more than 64"),
+        "deep.json": ("[" * 100_000 + "]" * 100_000, "nested more than 64"),
+        "nul.csv": ("prompt\nab\x00cd\n", "line 2: 'prompt' holds a NUL character"),
+        "big.csv": ('prompt\n"' + "x" * (MAX_FIELD_CHARS + 1) + '"\n', "field larger than field limit"),
+        "bad.jsonl": (b'{"prompt": "\xff\xfe"}\n', "not UTF-8"),
+    }  # fmt: skip
+    for name, (content, said) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        with pytest.raises(UserError) as err:
+            load_workload_file(path)
+        assert said in str(err.value) and "\n" not in str(err.value), (name, str(err.value)[:200])
+    # a 200 KB field (over the csv module's own 128 KiB limit) is a fine article
+    (tmp_path / "long.csv").write_text('article,highlights\n"' + "word " * 40_000 + '",short\n')
+    assert len(load_workload_file(tmp_path / "long.csv").samples) == 1
+
+
 def test_squad_file_and_cnn_csv(tmp_path: Path) -> None:
     squad = {"data": [{"title": "t", "paragraphs": [{"context": "The sky is blue.", "qas": [
         {"id": "1", "question": "What colour is the sky?", "answers": [{"text": "blue", "answer_start": 11}]},

@@ -140,7 +140,9 @@ SERVE_FLAGS = FlagTable(
     {**MODEL_FLAGS, **ROUTER_FLAGS, **{f"--{k.replace('_', '-')}": ("serve", k) for k in (
         "variants", "host", "port", "max_batch_size", "max_wait_ms", "max_queue", "queue_timeout_ms", "max_len",
         "prefill_chunk", "prefix_cache_mb", "queue_policy", "ttft_slo_ms", "kv_cache", "kv_cache_gb",
-        "weight_layout")},
+        "weight_layout", "priority_levels", "max_queue_total", "api_key", "allow_unauthenticated", "allowed_hosts",
+        "public_paths", "max_body_mb", "max_prompt_bytes", "max_stop", "max_stop_chars", "max_messages",
+        "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_request_s")},
      "--router-name": ("router", "name"), "--calibration-prompts": ("router", "calibration_prompts"),
      "--input-lengths": ("router", "input_lengths")},
     repeated=frozenset({"--queue-policy"}),

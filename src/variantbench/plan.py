@@ -431,12 +431,30 @@ class ServePlan(_Section):
     kv_cache: Literal["paged", "contiguous"] = Field("paged", description="torch engine: paged (blocks from a pool, memory as used) or contiguous")  # fmt: skip
     kv_cache_gb: float | None = Field(None, gt=0, description="GiB the KV cache may hold (default: 80% of the memory available once the weights are loaded)")  # fmt: skip
     weight_layout: Literal["packed", "packed+split"] = Field("packed", description="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split (one row decodes ~10% faster, +0.8x the weights)")  # fmt: skip
+    # who may call it (issue 41): a key on every endpoint but the public ones, and only the names it is
+    # reached by, so a web page the user visits can neither post to it nor read it (DNS rebinding)
+    priority_levels: int = Field(3, ge=1, le=16, description="priority levels a request may ask for: 0 (most urgent) to N-1; any other is refused with 400")  # fmt: skip
+    max_queue_total: PositiveInt = Field(512, description="waiting requests in all levels together before 429")  # fmt: skip
+    api_key: str | None = Field("$VARIANTBENCH_API_KEY", description="the key(s) a client must send as 'Authorization: Bearer KEY', comma-separated; $NAME reads them from that environment variable (unset or empty: no key)")  # fmt: skip
+    allow_unauthenticated: bool = Field(False, description="serve without a key on an address other than loopback")  # fmt: skip
+    public_paths: tuple[str, ...] = Field(("/health", "/metrics"), description="paths answered without the key")  # fmt: skip
+    allowed_hosts: tuple[str, ...] = Field((), description="Host header names accepted besides the bound address and localhost ('*': any)")  # fmt: skip
+    # limits: a request larger or slower than these is refused (4xx), not buffered or waited for
+    max_body_mb: float = Field(4.0, gt=0, description="largest request body (MiB): 413 above it, read no further")  # fmt: skip
+    max_prompt_bytes: PositiveInt | None = Field(None, description="largest prompt in UTF-8 bytes, checked before tokenizing (default: 32 per token of max_len)")  # fmt: skip
+    max_stop: PositiveInt = Field(4, description="most 'stop' strings in a request")
+    max_stop_chars: PositiveInt = Field(256, description="longest 'stop' string (characters)")
+    max_messages: PositiveInt = Field(1024, description="most chat messages in a request")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this (the connection is closed)")  # fmt: skip
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive within this after its headers (408)")  # fmt: skip
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")  # fmt: skip
+    max_request_s: float = Field(600.0, gt=0, description="a request's longest lifetime, queue to last token: past it, it ends with 504 (or an error event in its stream)")  # fmt: skip
 
-    @field_validator("variants", "queue_policy", mode="before")
+    @field_validator("variants", "queue_policy", "public_paths", "allowed_hosts", mode="before")
     @classmethod
     def _listed(cls, value: Any, info: Any) -> Any:
         # variants "fp32,int8" from a flag; a queue policy is one string (its own commas inside)
-        return names_of(value, split=info.field_name == "variants")
+        return names_of(value, split=info.field_name != "queue_policy")
 
     @field_validator("variants")
     @classmethod

@@ -18,6 +18,7 @@ import yaml
 
 from variantbench.errors import UserError
 from variantbench.plan import SCENARIO_TYPES, SCENARIOS, Plan
+from variantbench.redact import redact_plan
 
 Location = tuple[str, ...]
 
@@ -193,7 +194,7 @@ def dump_plan(plan: Plan) -> str:
         "# variantbench plan, fully resolved: every default is spelled out.\n"
         "# Replay with: variantbench run THIS_FILE   (change a value with --set key.path=value)\n"
     )
-    data = plan.model_dump(mode="json")
+    data = redact_plan(plan.model_dump(mode="json"))  # no literal header, key, URL user-info or query
     data["load"] = {"scenario": data["load"].pop("scenario"), **data["load"]}  # the union's tag first
     return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 

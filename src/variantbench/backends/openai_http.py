@@ -34,7 +34,9 @@ import urllib.request
 import aiohttp
 
 from variantbench.backends.base import GenerationRequest, GenerationResult, LoadInfo
+from variantbench.credentials import default_api_key
 from variantbench.errors import SampleNotScored, ScoringUnavailable, UserError
+from variantbench.redact import redact_url, split_url
 
 APIS = ("completions", "chat")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -60,17 +62,25 @@ class OpenAIBackend:
     ) -> None:
         if api not in APIS:
             raise UserError(f"unknown API {api!r}; known: {', '.join(APIS)}")
-        url = base_url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise UserError(f"endpoint must be an http(s) URL, got {base_url!r}")
+        if not base_url.startswith(("http://", "https://")):
+            raise UserError(f"endpoint must be an http(s) URL, got {redact_url(base_url)!r}")
+        # user-info and query are sent (Basic auth; the query on every request), never shown or stored
+        url, basic, self.query = split_url(base_url)
+        url = url.rstrip("/")
         self.base_url = url[:-3] if url.endswith("/v1") else url
         self.model = model
         self.api = api
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self.name = name or model or "endpoint"
-        # sent with every request, /v1/models included: a gateway or a hosted API checks them all
-        self.headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        # sent with every request, /v1/models included: a gateway or a hosted API checks them all;
+        # with no key given, VARIANTBENCH_API_KEY's first (the key `variantbench serve` checks)
+        api_key = api_key or (None if basic else default_api_key())
+        self.headers = {
+            **basic,
+            **(headers or {}),
+            **({"Authorization": f"Bearer {api_key}"} if api_key else {}),
+        }
         self.extra_body = dict(extra_body or {})  # merged over ours: the user's word wins
         self._client: aiohttp.ClientSession | None = None
         self._info: dict[str, Any] = {}
@@ -85,7 +95,7 @@ class OpenAIBackend:
     def load(self) -> LoadInfo:
         t0 = time.perf_counter_ns()
         request = urllib.request.Request(
-            f"{self.base_url}/v1/models", headers={"Accept": "application/json", **self.headers}
+            f"{self.base_url}{self._q('/v1/models')}", headers={"Accept": "application/json", **self.headers}
         )
         try:
             with urllib.request.urlopen(request, timeout=min(self.timeout_s, 10.0)) as resp:  # noqa: S310 - user URL
@@ -112,6 +122,10 @@ class OpenAIBackend:
         return LoadInfo(
             startup_s=(time.perf_counter_ns() - t0) / 1e9, param_bytes=0, details=dict(self._info)
         )
+
+    def _q(self, path: str) -> str:
+        """``path`` with the endpoint URL's query (an API version, a gateway's key), if it had one."""
+        return f"{path}?{self.query}" if self.query else path
 
     def address(self) -> tuple[str, str | None, dict[str, str]]:
         return self.base_url, self.model, dict(self.headers)
@@ -175,7 +189,7 @@ class OpenAIBackend:
         usage: dict[str, Any] | None = None
         try:
             # the body encoded here, once: aiohttp's JSON payload would encode it on the loop's turn
-            async with client.post(path, data=json.dumps(body).encode()) as resp:
+            async with client.post(self._q(path), data=json.dumps(body).encode()) as resp:
                 if resp.status != 200:
                     detail = (await resp.content.read(200)).decode("utf-8", "replace").strip()
                     return _error(req, start, f"HTTP {resp.status}: {detail}")
@@ -244,7 +258,7 @@ class OpenAIBackend:
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One synchronous JSON request; ``ScoringUnavailable`` with the server's reason otherwise."""
-        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(),
+        request = urllib.request.Request(f"{self.base_url}{self._q(path)}", data=json.dumps(body).encode(),
                                          headers={**JSON_HEADERS, **self.headers}, method="POST")  # fmt: skip
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:  # noqa: S310 - user URL

@@ -10,6 +10,7 @@ the request's ``model`` field: ``fail500`` answers HTTP 500, ``garbage`` streams
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import json
 import socket
 import subprocess
@@ -115,9 +116,12 @@ def _config(port: int, app: Any = None, host: str = "127.0.0.1", **app_kw: Any) 
 class ThreadServer:
     """An ASGI app (by default the no-op server) on uvicorn in a thread of this process (tests)."""
 
-    def __init__(self, app: Any = None, **app_kw: Any) -> None:
+    def __init__(
+        self, app: Any = None, config: Callable[[int], uvicorn.Config] | None = None, **app_kw: Any
+    ) -> None:
+        """``config``: the uvicorn configuration for a port (default: ours, with the no-op app's ``app_kw``)."""
         self.port = free_port()
-        self.server = uvicorn.Server(_config(self.port, app, **app_kw))
+        self.server = uvicorn.Server(config(self.port) if config else _config(self.port, app, **app_kw))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.request
 
+from variantbench.credentials import auth_headers
 from variantbench.loadgen.noop_server import stop_process
 
 
@@ -30,7 +31,8 @@ class Running:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                probe = urllib.request.Request(self.url + "/v1/models", headers=auth_headers())
+                with urllib.request.urlopen(probe, timeout=2) as r:  # noqa: S310 - our own server
                     if r.status == 200:
                         return self
             except OSError:

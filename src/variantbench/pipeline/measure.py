@@ -26,6 +26,7 @@ from variantbench.errors import ScoringUnavailable
 from variantbench.faults import fault_point
 from variantbench.loadgen.harness import LoadSettings, RunLog, run_scenario
 from variantbench.records import QueryLog
+from variantbench.redact import redact_url
 from variantbench.report.results import (
     BatchDecode,
     BuildFacts,
@@ -373,7 +374,7 @@ class VariantSession:
             state.resources = Resources(startup_s=load.startup_s, startup_warm_s=load.startup_s,
                                         param_bytes=load.param_bytes, load_peak_rss_bytes=self.load_peak)  # fmt: skip
         if job.endpoint is not None and job.scrape_s:
-            state.server_metrics = ServerScrape(url=job.endpoint.url, interval_s=job.scrape_s,
+            state.server_metrics = ServerScrape(url=redact_url(job.endpoint.url), interval_s=job.scrape_s,
                                                 samples=self.server_samples, error=self.server_error,
                                                 latency_histograms=self.server_histograms)  # fmt: skip
         state.phases_s = {k: round(v, 3) for k, v in self.phases.items()}

@@ -45,6 +45,7 @@ from variantbench.pipeline.settings import criteria_for, load_settings
 from variantbench.plan import Plan
 from variantbench.plan_file import write_plan
 from variantbench.records import QueryRecord, read_log
+from variantbench.redact import redact_plan, redact_url, redacted_keys
 from variantbench.report.results import VariantResult, failed, read_result
 from variantbench.report.schema import Execution, Report, Rounds
 from variantbench.variants.spec import Artifact, VariantSpec, plain_artifact
@@ -219,6 +220,9 @@ def resume_run(folder: Path, console: Console | None = None) -> Report:
         if not (folder / needed).is_file():
             raise UserError(f"{folder} is not a run folder to resume: {needed} is missing")
     plan = load_plan(folder / "plan.yaml").model_copy(update={"out": folder})
+    if hidden := redacted_keys(plan.model_dump(mode="json")):
+        raise UserError(f"{folder / 'plan.yaml'}: {hidden[0]} was given literally and is not written to disk; "
+                        "give it as $NAME (an environment variable) to resume")  # fmt: skip
     return execute(plan, console, resume=True)
 
 
@@ -296,7 +300,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False, resume: bool = Fal
     endpoints = served_endpoints(plan)  # every server probed: unreachable is one line, before any measurement
     if endpoints:
         models = list(dict.fromkeys(e.model or "endpoint" for e in endpoints.values()))
-        urls = ", ".join(dict.fromkeys(e.url for e in endpoints.values()))
+        urls = ", ".join(dict.fromkeys(redact_url(e.url) for e in endpoints.values()))
         spec = ModelSpec(kind="endpoint", path=urls, name=" / ".join(models))
         base_dir = ""
     else:
@@ -316,7 +320,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False, resume: bool = Fal
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         model={"name": spec.name, "kind": spec.kind, "source": spec.path, "hf_dir": base_dir or None},
         standard=next(iter(endpoints)) if plan.model.endpoint else plan.standard_variant,
-        plan=plan.model_dump(mode="json"),
+        plan=redact_plan(plan.model_dump(mode="json")),
         workload=library.describe(),
         environment=describe_environment(torch_details=not endpoints),
     )

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import itertools
 import json
 import logging
-import math
 import time
 from typing import Any
 import uuid
@@ -49,14 +48,22 @@ from starlette.routing import Route
 
 from variantbench.backends.base import GenerationRequest, encode_request
 from variantbench.serving.batching import KvMemory
+from variantbench.serving.guard import Access, Guard
+from variantbench.serving.requests import (
+    ApiError,
+    Limits,
+    RequestModels,
+    ScoreRequest,
+    openapi,
+    parse_body,
+    validate,
+)
 from variantbench.serving.scheduler import Rejected
-from variantbench.serving.scoring import is_token_ids, outside_vocab
+from variantbench.serving.scoring import outside_vocab
 from variantbench.serving.worker import BatchWorker
 
 LOG = logging.getLogger("variantbench.serving")
 
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20  # scoring's top log-probabilities per position (vLLM's cap; OpenAI's is 5)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # OpenAI's chat default is "until the context ends"; we cap it
 # fields we do not implement, and the values that ask for nothing (clients often send those)
@@ -64,22 +71,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", retry_after_s: float | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -197,76 +188,6 @@ class Metrics:
 
 # ---- request parsing -----------------------------------------------------------------------------
 
-MAX_BODY_BYTES = 4 << 20  # a request body: a 128k-token prompt as text is under 1 MiB
-MAX_DEPTH = 32  # nesting of a request body (chat content parts are 4 deep)
-MAX_DEADLINE_MS = 86_400_000.0  # a day: beyond it a deadline says nothing (1e308 overflowed the worker)
-
-
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a 4xx: too large (413), not JSON (NaN and Infinity are
-    not), nested too deeply, or holding a string that is not valid Unicode (a lone surrogate)."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
-    try:
-        body = json.loads(raw, parse_constant=_not_json)
-    except RecursionError:
-        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} deep") from None
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({str(exc).splitlines()[0][:80]})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    _check_tree(body, 0)
-    return body
-
-
-def _check_tree(value: Any, depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} deep")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(
-                400, "the request body holds a string that is not valid Unicode (a lone surrogate)"
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_tree(key, depth + 1)
-            _check_tree(item, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _check_tree(item, depth + 1)
-
-
-def _int(body: dict[str, Any], name: str, default: int | None, low: int | None = None,
-         high: int | None = None) -> int | None:  # fmt: skip
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name)
-    if low is not None and value < low:
-        raise ApiError(400, f"'{name}' must be at least {low}, got {value}", name)
-    if high is not None and value > high:
-        raise ApiError(400, f"'{name}' must be at most {high}, got {value}", name)
-    return value
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float | None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(400, f"'{name}' must be a finite number, got {json.dumps(value)[:40]}", name)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
-        raise ApiError(400, f"'{name}' must be {bound}, got {value}", name)
-    return float(value)
-
 
 @dataclass
 class Parsed:
@@ -281,60 +202,35 @@ class Parsed:
     ignore_eos: bool = False
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(value)[:40]}", name)
-    return value
+def _prompt_bytes(n: int, limits: Limits) -> None:
+    """The prompt's size before it is tokenized: a prompt far past the context is refused unread."""
+    if n > limits.prompt_bytes:
+        raise ApiError(400, f"the prompt is {n} bytes, over this server's {limits.prompt_bytes} "
+                       f"(serve.max_prompt_bytes; its context is {limits.max_len} tokens)", "prompt",
+                       "context_length_exceeded")  # fmt: skip
 
 
-def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
-    return tuple(items)
+def _chat_ids(messages: list[Any], tokenizer: Any, limits: Limits) -> list[int]:
+    clean = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        clean.append({"role": m.role, "content": content})
+    _prompt_bytes(sum(len(c["content"].encode()) + len(c["role"]) for c in clean), limits)
+    try:
+        return encode_request(tokenizer, GenerationRequest("chat", messages=tuple(clean)))
+    except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
+        raise ApiError(400, f"cannot apply the chat template: {exc}".splitlines()[0], "messages") from None
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: Any, chat: bool) -> list[int]:
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        clean = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ApiError(400, "only text content parts are supported", "messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(content, str):
-                raise ApiError(400, "each message needs a 'role' and a 'content'", "messages")
-            clean.append({"role": m["role"], "content": content})
-        try:
-            return encode_request(tokenizer, GenerationRequest("chat", messages=tuple(clean)))
-        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
-            raise ApiError(
-                400, f"cannot apply the chat template: {exc}".splitlines()[0], "messages"
-            ) from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+def _text_ids(prompt: str | list[Any], tokenizer: Any, limits: Limits, special: bool = True) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' is empty", "prompt")
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, list) and prompt and is_token_ids(prompt):
-        if why := outside_vocab(prompt, len(tokenizer)):
-            raise ApiError(400, f"'prompt' {why}", "prompt")
-        return list(prompt)
-    raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
+        _prompt_bytes(len(prompt.encode()), limits)
+        return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+    if why := outside_vocab(prompt, len(tokenizer)):
+        raise ApiError(400, f"'prompt' {why}", "prompt")
+    return list(prompt)
 
 
 # ---- streaming text -------------------------------------------------------------------------------
@@ -391,13 +287,18 @@ class TextStream:
 
 
 class Server:
-    def __init__(
-        self, models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0,
+                 limits: Limits | None = None, max_request_s: float = 600.0) -> None:  # fmt: skip
         self.models = models
         self.router = router
         self.metrics = Metrics()
         self.drain_timeout_s = drain_timeout_s
+        self.max_request_s = max_request_s
+        # the context bound is the smallest served one: the schema cannot say it per model
+        first = min((m.max_len for m in models.values()), default=2048)
+        self.limits = limits or Limits(max_len=first)
+        names = (*models, *([router.name] if router is not None else []))
+        self.requests = RequestModels.for_limits(self.limits, names)
         self.created = int(time.time())
         self._ids = itertools.count()
         for m in models.values():
@@ -412,72 +313,90 @@ class Server:
             return None
         if name not in self.models:
             known = [*self.models, *([self.router.name] if self.router else [])]
-            raise ApiError(404, f"The model '{name}' does not exist; served: {', '.join(known)}", "model",
+            raise ApiError(404, f"The model '{name[:80]}' does not exist; served: {', '.join(known)}", "model",
                            "model_not_found")  # fmt: skip
         return self.models[name]
 
+    async def _body(self, request: Request) -> dict[str, Any]:
+        return parse_body(await request.body(), self.limits.max_body_bytes)
+
+    def _ids_of(self, req: Any, tokenizer: Any, chat: bool) -> list[int]:
+        if chat:
+            return _chat_ids(req.messages, tokenizer, self.limits)
+        return _text_ids(req.prompt, tokenizer, self.limits)
+
     async def _parse(self, request: Request, chat: bool) -> tuple[Parsed, ServedModel, str | None]:
-        body = parse_body(await request.body())
-        target = self._model(body.get("model"))
-        _int(body, "n", 1, 1, 1)
-        _number(body, "temperature", 0.0, 2.0)
-        _number(body, "top_p", 0.0, 1.0)
-        _number(body, "frequency_penalty", -2.0, 2.0)
-        _number(body, "presence_penalty", -2.0, 2.0)
+        body = await self._body(request)
+        req = validate(self.requests.chat if chat else self.requests.completion, body)
+        target = self._model(req.model)
         for name, allowed in UNSUPPORTED.items():
             if body.get(name) not in allowed:
                 raise ApiError(400, f"'{name}' is not supported by this server", name)
-        stream = _flag(body, "stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, "'stream_options' must be an object", "stream_options")
-        name = (
-            "max_completion_tokens"
-            if chat and body.get("max_completion_tokens") is not None
-            else "max_tokens"
+        asked = (
+            req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         )
+        name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         routed: str | None = None
         if target is None:  # the tiered router: score with the light model, then pick
             tokenizer = self.models[self.router.light].tokenizer
-            ids = await asyncio.to_thread(_prompt_ids, body, tokenizer, chat)
+            ids = await asyncio.to_thread(self._ids_of, req, tokenizer, chat)
             routed, _ = await asyncio.to_thread(self.router.route, ids)
             self.metrics.routed.labels(self.router.name, routed).inc()
             target = self.models[routed]
             if target.tokenizer is not tokenizer:
-                ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, chat)
+                ids = await asyncio.to_thread(self._ids_of, req, target.tokenizer, chat)
         else:  # templating and tokenizing off the event loop: it keeps streaming the others meanwhile
-            ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, chat)
+            ids = await asyncio.to_thread(self._ids_of, req, target.tokenizer, chat)
         default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
-        max_new = _int(body, name, None, 1, None)
-        if max_new is None:
-            max_new = max(1, min(default, target.max_len - len(ids)))
+        max_new = asked if asked is not None else max(1, min(default, target.max_len - len(ids)))
         if len(ids) + max_new > target.max_len:
             raise ApiError(400, f"This model's maximum context length is {target.max_len} tokens. However, you "
                            f"requested {len(ids) + max_new} tokens ({len(ids)} in the prompt, {max_new} for "
                            f"the completion).", name if len(ids) < target.max_len else "prompt",
                            "context_length_exceeded")  # fmt: skip
-        deadline = _number(body, "deadline_ms", 1.0, MAX_DEADLINE_MS)
+        stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
         parsed = Parsed(
-            model=body["model"], ids=ids, max_new=max_new, stream=stream,
-            include_usage=bool(options.get("include_usage")), stop=_stop_strings(body),
-            priority=_int(body, "priority", 0, -1000, 1000) or 0,
-            deadline_s=deadline / 1e3 if deadline is not None else None, ignore_eos=_flag(body, "ignore_eos"),
+            model=req.model, ids=ids, max_new=max_new, stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage), stop=stop,
+            priority=req.priority, deadline_s=req.deadline_ms / 1e3 if req.deadline_ms is not None else None,
+            ignore_eos=req.ignore_eos,
         )  # fmt: skip
         return parsed, target, routed
 
-    async def _next(self, events: asyncio.Queue, request: Request) -> tuple:
-        """The next worker event; gives up (None) when the client has gone away meanwhile."""
+    async def _next(self, events: asyncio.Queue, request: Request, until_ns: int | None = None) -> tuple:
+        """The next worker event: ``("gone",)`` once the client has gone away meanwhile, ``("late",)``
+        once the request has lived past ``until_ns`` (its lifetime, ``serve.max_request_s``)."""
         while True:
+            wait = 0.5
+            if until_ns is not None:
+                left = (until_ns - time.perf_counter_ns()) / 1e9
+                if left <= 0:
+                    return ("late",)
+                wait = min(wait, left)
             try:
-                return await asyncio.wait_for(events.get(), timeout=0.5)
+                return await asyncio.wait_for(events.get(), timeout=wait)
             except TimeoutError:
                 if await request.is_disconnected():
                     return ("gone",)
 
+    def late(self) -> ApiError:
+        return ApiError(504, f"the request ran past this server's longest lifetime, {self.max_request_s:g} s "
+                        "(serve.max_request_s)", None, "timeout", "server_error")  # fmt: skip
+
     # ---- endpoints ----------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        down = {name: m.worker.down for name, m in self.models.items() if m.worker.down is not None}
+        down.update({name: "its thread is not running" for name, m in self.models.items()
+                     if name not in down and m.worker.started and not m.worker.alive})  # fmt: skip
+        if down:
+            return JSONResponse(
+                {"status": "unavailable", "models": list(self.models), "down": down}, status_code=503
+            )
         return JSONResponse({"status": "ok", "models": list(self.models)})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi(self.requests))
 
     async def list_models(self, request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "variantbench",
@@ -494,7 +413,7 @@ class Server:
         raw = await request.body()  # starlette keeps it: _parse reads it again
         if b'"echo"' in raw:
             with contextlib.suppress(ApiError):  # a bad body gets its 4xx from the generation path
-                body = parse_body(raw)
+                body = parse_body(raw, self.limits.max_body_bytes)
                 if body.get("echo") is True:
                     return await self._score(body)
         return await self._generate(request, chat=False)
@@ -506,18 +425,12 @@ class Server:
 
         label = "-"
         try:
-            target = self._model(body.get("model"))
+            req = validate(ScoreRequest, body)
+            target = self._model(req.model)
             if target is None:
                 raise ApiError(400, "scoring needs a variant, not the router", "model")
             label = target.name
-            if _flag(body, "stream"):
-                raise ApiError(400, "'echo' scoring is not streamed: send 'stream': false", "stream")
-            _int(body, "n", 1, 1, 1)
-            top = _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
-            new = _int(body, "max_tokens", 0, 0, None) or 0
-            if new > 1:
-                raise ApiError(400, "'echo' scores the prompt and at most one next token: 'max_tokens' must be "
-                               f"0 or 1, got {new}", "max_tokens")  # fmt: skip
+            top, new = req.logprobs or 0, req.max_tokens or 0
             if not isinstance(target.backend, LogProbs):
                 raise ApiError(400, f"the variant {target.name} cannot score prompts (its backend gives no "
                                "log-probabilities)", "echo")  # fmt: skip
@@ -559,25 +472,18 @@ class Server:
         target = self._model(name)
         return target if target is not None else self.models[self.router.light]  # None: name is the router's
 
-    async def _json(self, request: Request) -> dict[str, Any]:
-        return parse_body(await request.body())
-
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...]}``."""
         try:
-            body = await self._json(request)
-            target = self._tokenizer_of(body.get("model"))
-            if "messages" in body:
-                ids = await asyncio.to_thread(_prompt_ids, body, target.tokenizer, True)
+            req = validate(self.requests.tokenize, await self._body(request))
+            target = self._tokenizer_of(req.model)
+            if req.messages is not None:
+                ids = await asyncio.to_thread(_chat_ids, req.messages, target.tokenizer, self.limits)
+            elif req.prompt is not None:
+                ids = await asyncio.to_thread(_text_ids, req.prompt, target.tokenizer, self.limits,
+                                              req.add_special_tokens)  # fmt: skip
             else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str):
-                    raise ApiError(400, "'prompt' must be a string", "prompt")
-                special = body.get("add_special_tokens", True)
-                if not isinstance(special, bool):
-                    raise ApiError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
-                encoded = await asyncio.to_thread(target.tokenizer, prompt, add_special_tokens=special)
-                ids = list(encoded["input_ids"])
+                raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
         except ApiError as exc:
             return exc.response()
         return JSONResponse({"count": len(ids), "max_model_len": target.max_len, "tokens": ids})
@@ -585,16 +491,13 @@ class Server:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
         try:
-            body = await self._json(request)
-            target = self._tokenizer_of(body.get("model"))
-            tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not is_token_ids(tokens):
-                raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
-            if why := outside_vocab(tokens, len(target.tokenizer)):
+            req = validate(self.requests.detokenize, await self._body(request))
+            target = self._tokenizer_of(req.model)
+            if why := outside_vocab(req.tokens, len(target.tokenizer)):
                 raise ApiError(400, f"'tokens' {why}", "tokens")
         except ApiError as exc:
             return exc.response()
-        return JSONResponse({"prompt": target.tokenizer.decode(tokens)})
+        return JSONResponse({"prompt": target.tokenizer.decode(req.tokens)})
 
     async def tokenizer_info(self, request: Request) -> Response:
         from variantbench.serving.scoring import tokenizer_info
@@ -630,7 +533,13 @@ class Server:
                 raise ApiError(exc.status, str(exc), None, kind, kind, exc.retry_after_s) from None
             except ValueError as exc:
                 raise ApiError(400, str(exc), "prompt", "context_length_exceeded") from None
-            first = await self._next(events, request)  # errors before the first token keep their status
+            until = received + int(self.max_request_s * 1e9)
+            first = await self._next(
+                events, request, until
+            )  # errors before the first token keep their status
+            if first[0] == "late":
+                target.worker.cancel(key)
+                raise self.late()
             if first[0] == "gone":
                 target.worker.cancel(key)
                 self.metrics.requests.labels(label, endpoint, "499").inc()
@@ -662,6 +571,7 @@ class _Run:
         self.server, self.target, self.p, self.key = server, target, parsed, key
         self.arrival_ns, self.chat = arrival_ns, chat  # arrival: queued at the worker
         self.received_ns = received_ns if received_ns is not None else arrival_ns
+        self.until_ns = self.received_ns + int(server.max_request_s * 1e9)  # its longest lifetime
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.text = TextStream(target.tokenizer, target.worker.batch.stop_ids, parsed.stop)
@@ -746,7 +656,10 @@ class _Run:
                 raise ApiError(event[1], event[2], None, "internal_error", "server_error")
             elif event[0] == "gone":
                 raise ConnectionError("client went away")
-            event = await self.server._next(events, request)
+            elif event[0] == "late":
+                self.target.worker.cancel(self.key)
+                raise self.server.late()
+            event = await self.server._next(events, request, self.until_ns)
 
     async def whole(self, first: tuple, events: asyncio.Queue, request: Request, headers: dict) -> Response:
         parts: list[str] = []
@@ -800,14 +713,19 @@ class _Run:
             self._close(status)
 
 
-def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0) -> Starlette:
-    """The ASGI app. Starting it starts the workers; shutting it down drains them."""
-    server = Server(models, router, drain_timeout_s)
+def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s: float = 30.0,
+             access: Access | None = None, limits: Limits | None = None, max_request_s: float = 600.0) -> Starlette:  # fmt: skip
+    """The ASGI app. Starting it starts the workers; shutting it down drains them. ``access``: who may
+    call it and how large and slow a body may be (default: no key, loopback names only)."""
+    from starlette.middleware import Middleware
+
+    server = Server(models, router, drain_timeout_s, limits, max_request_s)
+    access = access or Access(max_body_bytes=server.limits.max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):  # noqa: ANN202
         for m in models.values():
-            if not m.worker._thread.is_alive():
+            if not m.worker.started:
                 m.worker.start()
         try:
             yield
@@ -838,7 +756,9 @@ def make_app(models: dict[str, ServedModel], router: Any = None, drain_timeout_s
             Route("/tokenize", server.tokenize, methods=["POST"]),
             Route("/detokenize", server.detokenize, methods=["POST"]),
             Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
+            Route("/openapi.json", server.openapi, methods=["GET"]),
         ],
+        middleware=[Middleware(Guard, access=access)],
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_allowed, Exception: internal},
     )

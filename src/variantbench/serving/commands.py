@@ -12,6 +12,7 @@ from typing import Any
 
 from variantbench.errors import UserError
 from variantbench.plan import Plan
+from variantbench.serving.guard import LOOPBACK
 from variantbench.serving.host import (
     ServeOptions,
     build_router,
@@ -20,14 +21,17 @@ from variantbench.serving.host import (
     load_models,
     router_pair,
     run_server,
+    serve_access,
+    serve_limits,
 )
 
 Say = Callable[[str], None]
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(plan: Plan, say: Say, announce: Say, warn: Say) -> None:
     """Load ``serve.variants`` (and the tiered router over ``router.tiers``), then serve until Ctrl-C."""
+    import os
+
     from variantbench.models import parse_model, prepare_model
     from variantbench.serving.app import make_app
     from variantbench.variants import parse_variant
@@ -37,6 +41,8 @@ def serve(plan: Plan, say: Say, announce: Say, warn: Say) -> None:
     for name in s.variants:
         parse_variant(name)
     options = ServeOptions.from_plan(s)
+    access = serve_access(s, dict(os.environ))
+    limits = serve_limits(s)
     base = str(prepare_model(parse_model(plan.model.source), status=say))
     models = load_models(base, list(s.variants), options, device=plan.model.device, threads=plan.model.threads,
                          say=say)  # fmt: skip
@@ -48,11 +54,14 @@ def serve(plan: Plan, say: Say, announce: Say, warn: Say) -> None:
             c = tiered.calibration
             say(f"router {r.name!r}: {pair[0]} below complexity {c.threshold:.3f}, else {pair[1]} "
                 f"(calibrated on {c.prompts} prompts for a {c.share:g} standard share)")  # fmt: skip
-        if s.host not in LOCAL_HOSTS:
-            warn(f"binding {s.host}: reachable from other machines")
+        if s.host not in LOOPBACK:
+            warn(f"binding {s.host}: reachable from other machines"
+                 + ("" if access.keys else ", and with no API key (--allow-unauthenticated)"))  # fmt: skip
         served = ", ".join([*s.variants, *([r.name] if pair else [])])
-        announce(f"serving {served} on http://{s.host}:{s.port}/v1 (Ctrl-C drains and stops)")
-        run_server(make_app(models, tiered), s.host, s.port)
+        keyed = f"; {len(access.keys)} API key(s) required" if access.keys else ""
+        announce(f"serving {served} on http://{s.host}:{s.port}/v1{keyed} (Ctrl-C drains and stops)")
+        app = make_app(models, tiered, access=access, limits=limits, max_request_s=s.max_request_s)
+        run_server(app, s.host, s.port, header_timeout_s=s.header_timeout_s, keep_alive_s=s.keep_alive_s)
     finally:
         close_models(models)
 

@@ -13,6 +13,8 @@ from variantbench.errors import UserError
 from variantbench.plan import ServePlan, default_of
 from variantbench.serving.app import ServedModel
 from variantbench.serving.batching import ChunkedPrefill
+from variantbench.serving.guard import LOOPBACK, Access, parse_keys
+from variantbench.serving.requests import Limits
 from variantbench.serving.scheduler import QueuePolicy
 from variantbench.serving.worker import BatchWorker
 
@@ -90,6 +92,8 @@ class ServeOptions:
     # torch engine, fp32 on CPU: "packed" keeps one copy of each layer's weights (idle RSS ~0.7x
     # less); "packed+split" adds the split-K copy that decodes one row ~10% faster
     weight_layout: str = default_of("serve.weight_layout")
+    priority_levels: int = default_of("serve.priority_levels")  # a request's priority: 0 .. levels-1
+    max_queue_total: int = default_of("serve.max_queue_total")  # waiting in all levels together
 
     @classmethod
     def from_plan(cls, s: ServePlan) -> ServeOptions:
@@ -97,7 +101,8 @@ class ServeOptions:
                    queue_timeout_ms=s.queue_timeout_ms, max_len=s.max_len, prefill_chunk=s.prefill_chunk,
                    prefix_cache_mb=s.prefix_cache_mb, policies=dict(parse_queue_policy(p) for p in s.queue_policy),
                    ttft_slo_ms=s.ttft_slo_ms or None, kv_cache=s.kv_cache, kv_cache_gb=s.kv_cache_gb,
-                   weight_layout=s.weight_layout)  # fmt: skip
+                   weight_layout=s.weight_layout, priority_levels=s.priority_levels,
+                   max_queue_total=s.max_queue_total)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -122,6 +127,14 @@ class ServeOptions:
             raise UserError(
                 f"--weight-layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {self.weight_layout!r}"
             )
+        if not 1 <= self.priority_levels <= 16:
+            raise UserError(f"--priority-levels must be between 1 and 16, got {self.priority_levels}")
+        outside = sorted(level for level in self.policies if not 0 <= level < self.priority_levels)
+        if outside:
+            raise UserError(f"--queue-policy for level {outside[0]}: the levels are 0 to {self.priority_levels - 1} "
+                            "(--priority-levels)")  # fmt: skip
+        if self.max_queue_total < 1:
+            raise UserError(f"--max-queue-total must be at least 1, got {self.max_queue_total}")
         if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
             raise UserError(
                 f"--ttft-slo-ms must be positive (0 on the command line: none), got {self.ttft_slo_ms}"
@@ -149,7 +162,7 @@ def serve_model(name: str, backend: Any, options: ServeOptions) -> ServedModel:
                       kv_cache_gb=options.kv_cache_gb)  # fmt: skip
     worker = BatchWorker(batch, max_queue=options.max_queue, aging_ms=options.aging_ms,
                          queue_timeout_ms=options.queue_timeout_ms, max_wait_ms=options.max_wait_ms,
-                         policies=options.level_policies(), name=name)  # fmt: skip
+                         policies=options.level_policies(), name=name, max_total=options.max_queue_total)  # fmt: skip
     worker.warm_up()  # the step-cost model fitted before the first request; not in the step log
     trace = os.environ.get("VARIANTBENCH_STEP_LOG")
     if trace:  # every step as a JSON line (end time on the monotonic clock): where a latency went
@@ -238,12 +251,47 @@ def build_router(models: dict[str, ServedModel], light: str, standard: str, shar
     return TieredRouter(light, standard, log_probs, cal, name=name)
 
 
-def run_server(app: Any, host: str, port: int) -> None:
+def run_server(app: Any, host: str, port: int, header_timeout_s: float = default_of("serve.header_timeout_s"),
+               keep_alive_s: float = default_of("serve.keep_alive_s")) -> None:  # fmt: skip
+    """uvicorn until Ctrl-C, or until a worker stops for good: then a ``UserError`` (exit 1) says why."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http="httptools",
-                            lifespan="on", backlog=4096, timeout_graceful_shutdown=30)  # fmt: skip
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(server_config(app, host, port, header_timeout_s, keep_alive_s))
+    workers = [m.worker for m in app.state.server.models.values()]
+    for worker in workers:
+        worker.on_fatal.append(lambda _why: setattr(server, "should_exit", True))
+    server.run()
+    failed = [w.fatal for w in workers if w.fatal]
+    if failed:
+        raise UserError(f"the server stopped: {failed[0]}")
+
+
+def server_config(app: Any, host: str, port: int, header_timeout_s: float = default_of("serve.header_timeout_s"),
+                  keep_alive_s: float = default_of("serve.keep_alive_s"), log_level: str = "warning") -> Any:  # fmt: skip
+    """uvicorn's configuration: httptools with a deadline on each request's headers (``protocol.py``)."""
+    import uvicorn
+
+    from variantbench.serving.protocol import with_header_timeout
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          http=with_header_timeout(header_timeout_s), lifespan="on", backlog=4096,
+                          timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=30)  # fmt: skip
+
+
+def serve_limits(s: ServePlan) -> Limits:
+    return Limits(max_len=s.max_len, max_body_bytes=int(s.max_body_mb * (1 << 20)), max_prompt_bytes=s.max_prompt_bytes,
+                  max_stop=s.max_stop, max_stop_chars=s.max_stop_chars, max_messages=s.max_messages,
+                  priority_levels=s.priority_levels)  # fmt: skip
+
+
+def serve_access(s: ServePlan, environ: dict[str, str]) -> Access:
+    """Who may call the server; binding beyond loopback with no key is refused unless asked for."""
+    keys = parse_keys(s.api_key, environ)
+    if not keys and s.host not in LOOPBACK and not s.allow_unauthenticated:
+        raise UserError(f"binding {s.host} without an API key would let anyone on the network use it: set "
+                        "--api-key (or VARIANTBENCH_API_KEY), or --allow-unauthenticated")  # fmt: skip
+    return Access.for_server(s.host, keys, s.allowed_hosts, public_paths=s.public_paths,
+                             max_body_bytes=int(s.max_body_mb * (1 << 20)), body_timeout_s=s.body_timeout_s)  # fmt: skip
 
 
 def calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:

@@ -95,8 +95,16 @@ class TieredRouter:
         return (self.standard if s > self.calibration.threshold else self.light), s
 
     def describe(self) -> dict[str, Any]:
+        """JSON-safe: a share of 0 or 1 calibrates an infinite threshold (every prompt to one tier),
+        which ``GET /v1/models`` could not encode (issue 41: every call a 500); it is null, and
+        ``always`` names the tier."""
+        calibration = asdict(self.calibration)
+        always = None
+        if not math.isfinite(self.calibration.threshold):
+            always = self.light if self.calibration.threshold > 0 else self.standard
+            calibration["threshold"] = None
         return {"light": self.light, "standard": self.standard, "window": self.window,
-                "calibration": asdict(self.calibration)}  # fmt: skip
+                "calibration": calibration, "always": always}  # fmt: skip
 
 
 def split(n: int, seed: int, calibration_fraction: float = 0.5) -> tuple[list[int], list[int]]:

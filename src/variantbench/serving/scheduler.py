@@ -260,8 +260,11 @@ class RequestMix:
 
 class Scheduler:
     def __init__(self, policies: dict[int, QueuePolicy] | None = None, default: QueuePolicy | None = None,
-                 aging_ms: float = 1000.0, max_batch: int = 32) -> None:  # fmt: skip
+                 aging_ms: float = 1000.0, max_batch: int = 32, max_total: int | None = None) -> None:  # fmt: skip
         self.policies = policies or {}
+        # all levels together: per-level limits alone let a client that spreads its requests over
+        # the levels queue levels x max_queue of them (issue 41: 2,000 levels were 2,000 queues)
+        self.max_total = max_total
         self.default = default or QueuePolicy()
         self.aging_ns = aging_ms * 1e6
         self.max_batch = max_batch
@@ -312,6 +315,9 @@ class Scheduler:
         none runs; None: unknown, a whole step); ``decode_rows``, the rows that decode in the prompt
         steps (0 where urgent prompts pause them)."""
         pol = self.policy(ticket.priority)
+        if self.max_total is not None and len(self._waiting) >= self.max_total:
+            raise Rejected(429, f"the queue is full ({self.max_total} waiting in all levels)",
+                           self.retry_after_s(running))  # fmt: skip
         if self._counts.get(ticket.priority, 0) >= pol.max_queue:
             raise Rejected(429, f"queue for priority {ticket.priority} is full ({pol.max_queue})",
                            self.retry_after_s(running))  # fmt: skip

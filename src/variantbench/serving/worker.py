@@ -10,7 +10,12 @@ so a lone request starts at once. While a batch runs, newcomers join between dec
 (continuous batching), so a long generation does not hold short ones hostage. Each step's time is
 fed to the scheduler's cost model, which sheds requests that cannot meet their deadline.
 A batch of ``max_batch=1`` turns batching off (the baseline the serving benchmark compares against).
-A failing step fails only the requests in that batch; the thread goes on.
+A failing step fails only the requests in that batch; the thread goes on. Any other exception
+(outside the step and admission) is the supervisor's (``_run``): it is logged and recorded, every
+request the worker held fails with a 500 saying why, and the loop starts again with an empty batch;
+while it is down (and for good after ``MAX_RESTARTS`` failures within ``RESTART_WINDOW_S``) it
+refuses requests with 503 and ``down`` says why (``/health`` answers 503). Before issue 41 one such
+exception ended the thread: its requests hung forever and ``/health`` still said ok.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+import logging
 import threading
 import time
 from typing import Any
@@ -45,6 +51,11 @@ LIVE_S = 5.0  # a level with a TTFT objective counts as live this long after its
 # run with the step log; the soak's per-window p99s, not logged, reached 968 ms). At 10 gaps the
 # chance is 0.005%; the price is short chunks for 10 gaps after the traffic really stops
 LIVE_GAPS = 10.0
+# the supervisor restarts a failed loop, unless it failed this often lately: then the fault is not a
+# passing one, and the server should stop (non-zero) rather than fail every request it takes
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+LOG = logging.getLogger("variantbench.serving")
 
 
 def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
@@ -91,13 +102,18 @@ class _Live:
 class BatchWorker:
     def __init__(self, batch: Any, max_queue: int = 256, aging_ms: float = 1000.0,
                  queue_timeout_ms: float | None = None, max_wait_ms: float = 10.0,
-                 policies: dict[int, QueuePolicy] | None = None, name: str = "variant") -> None:  # fmt: skip
+                 policies: dict[int, QueuePolicy] | None = None, name: str = "variant",
+                 max_total: int | None = None) -> None:  # fmt: skip
         """``batch``: a ``ContinuousBatch`` (our torch engine) or a ``LlamaCppBatch``, or anything with
         their join / step / leave contract."""
         self.name = name
         self.batch = batch
         self.scheduler = Scheduler(policies=policies, default=QueuePolicy(max_queue=max_queue, timeout_ms=queue_timeout_ms),
-                                   aging_ms=aging_ms, max_batch=batch.max_batch)  # fmt: skip
+                                   aging_ms=aging_ms, max_batch=batch.max_batch, max_total=max_total)  # fmt: skip
+        self.down: str | None = None  # why the loop is not running (restarting, or for good: ``fatal``)
+        self.fatal: str | None = None
+        self.failures: list[tuple[float, str]] = []  # (monotonic time, why) of each loop failure
+        self.on_fatal: list[Callable[[str], None]] = []  # told once the worker stops for good
         self.max_len = batch.max_len
         self.max_wait_s = max(0.0, max_wait_ms) / 1e3
         self._live: dict[Any, _Live] = {}
@@ -127,6 +143,14 @@ class BatchWorker:
     def start(self) -> BatchWorker:
         self._thread.start()
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def warm_up(self, passes: int = 2) -> None:
         """A few steps of made-up prompts before the first request (call before ``start``): a prompt
@@ -180,6 +204,8 @@ class BatchWorker:
         ``ignore_eos`` (vLLM's): it runs to ``max_new`` tokens past the model's stop tokens."""
         if self._draining:
             raise Rejected(503, "the server is shutting down", 1.0)
+        if self.down is not None:
+            raise Rejected(503, f"the worker of {self.name} is down ({self.down})", 1.0)
         if not self.batch.fits(len(prompt), max_new):
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + {max_new} new exceeds the context of {self.max_len}"
@@ -438,6 +464,50 @@ class BatchWorker:
         return gap
 
     def _run(self) -> None:
+        """The thread: the loop, started again after an exception it did not expect."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as exc:  # noqa: BLE001 - recorded, its requests failed, the loop restarted
+                why = f"{type(exc).__name__}: {exc}"
+                LOG.error("the worker of %s failed: %s", self.name, why, exc_info=exc)
+                now = time.monotonic()
+                self.failures.append((now, why))
+                self.down = why
+                try:
+                    self._fail_held(f"the worker of {self.name} failed ({why}); it restarts")
+                except Exception as again:  # noqa: BLE001 - it cannot even clean up: stop for good
+                    why = f"{why}; then, failing its requests: {type(again).__name__}: {again}"
+                    self.failures.append((now, why))
+                recent = sum(1 for t, _ in self.failures if now - t < RESTART_WINDOW_S)
+                if self._stopping or recent > MAX_RESTARTS:
+                    self.fatal = f"the worker of {self.name} failed {recent} times in {RESTART_WINDOW_S:g} s; last: {why}"
+                    self.down = self.fatal
+                    LOG.error("%s: it stops", self.fatal)
+                    for listener in self.on_fatal:
+                        listener(self.fatal)
+                    return
+                self.down = None
+
+    def _fail_held(self, message: str) -> None:
+        """Every request the worker holds (queued or in the batch) ends with a 500 and ``message``;
+        the batch is emptied and the side calls are failed."""
+        with self._cond:
+            keys = list(self._live)
+            for key in keys:
+                self.scheduler.remove(key)
+            side, self._side = list(self._side), deque()
+            self._prefilling = {}
+            self._step_end = None
+        self._started.clear()
+        for key in [*keys, *self.batch.keys()]:
+            self._finish(key, ("error", 500, message))
+        self._flush()
+        for _, future in side:
+            future.set_exception(RuntimeError(message))
+
+    def _loop(self) -> None:
         held = False
         while True:
             self._flush()  # before _take, which may wait

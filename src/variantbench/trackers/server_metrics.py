@@ -17,6 +17,9 @@ from typing import Any
 from urllib.error import URLError
 from urllib.request import Request, urlopen
 
+from variantbench.credentials import auth_headers
+from variantbench.redact import redact_text, split_url
+
 PREFIXES = ("vllm:", "tgi_", "llamacpp:", "sglang:", "variantbench_")
 KEPT_SUFFIXES = ("", "_total", "_count", "_sum")
 # the engines' own latency histograms, by what they time: first found wins (their buckets are kept)
@@ -61,13 +64,15 @@ def scrape(
     base_url: str, headers: dict[str, str] | None = None, timeout_s: float = 5.0, buckets: bool = False
 ) -> dict[str, Any]:
     """``{"url", "series": {name: value}}``, or ``{"url", "error"}`` when there is no readable /metrics."""
-    url = metrics_url(base_url)
+    clean, basic, query = split_url(base_url)  # the URL recorded has no user-info and no query
+    url = metrics_url(clean)
     try:
-        with urlopen(Request(url, headers=headers or {}), timeout=timeout_s) as resp:  # noqa: S310 - the user's server
+        sent = {**basic, **(headers if headers is not None else auth_headers())}
+        with urlopen(Request(url + (f"?{query}" if query else ""), headers=sent), timeout=timeout_s) as resp:  # noqa: S310 - the user's server
             text = resp.read().decode("utf-8", "replace")
         return {"url": url, "series": parse(text, buckets)}
     except (URLError, OSError, ValueError) as exc:
-        return {"url": url, "error": str(getattr(exc, "reason", exc))}
+        return {"url": url, "error": redact_text(str(getattr(exc, "reason", exc)))}
 
 
 # the server's own series worth a chart, by what they mean: (kind, name prefixes); first found wins

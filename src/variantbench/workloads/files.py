@@ -15,6 +15,12 @@ Files: ``.jsonl`` (one record per line), ``.json`` (a list of records, or SQuAD'
 ``.csv`` (a header row; columns as above). A bad record is reported with its line (or entry)
 number and what is wrong; unless the caller skips bad records, any bad record stops the run before
 anything is measured.
+
+Read as hostile input (issue 41): records split on ``\n`` only (``str.splitlines`` also split on
+U+2028 and U+0085, which JSON allows inside a string, so one record became three bad ones); every
+string is checked for valid Unicode (an escaped lone surrogate loaded, then crashed the run at its
+first log write) and for NUL characters; nesting beyond ``MAX_DEPTH`` and a field over
+``MAX_FIELD_CHARS`` are a bad record, not a ``RecursionError`` or a ``csv.Error`` traceback.
 """
 
 from __future__ import annotations
@@ -35,8 +41,44 @@ SUMMARY_MAX_TOKENS = 96
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+MAX_DEPTH = 64  # nesting of a record (ShareGPT's turns are 3 deep)
+MAX_FIELD_CHARS = 4 << 20  # one field: a whole book is under 4 MiB of text; CNN/DailyMail's longest ~12 KB
+
+
 class BadRecord(ValueError):
     """What is wrong with one record (the caller adds where it is)."""
+
+
+def check_strings(value: Any, where: str = "", depth: int = 0) -> None:
+    """Every string in ``value`` valid Unicode, free of NULs and at most ``MAX_FIELD_CHARS``; nesting
+    at most ``MAX_DEPTH``. BadRecord names the field (``messages[1].content``)."""
+    if depth > MAX_DEPTH:
+        raise BadRecord(f"nested more than {MAX_DEPTH} deep")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRecord(f"'{where}' is not valid Unicode (a lone surrogate)") from None
+        if "\x00" in value:
+            raise BadRecord(f"'{where}' holds a NUL character")
+        if len(value) > MAX_FIELD_CHARS:
+            raise BadRecord(f"'{where}' is over {MAX_FIELD_CHARS >> 20} Mi characters")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = key if isinstance(key, str) else str(key)
+            check_strings(name, f"{where}.{name}" if where else name, depth + 1)
+            check_strings(item, f"{where}.{name}" if where else name, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_strings(item, f"{where}[{i}]", depth + 1)
+
+
+def _loads(text: str) -> Any:
+    """JSON with no NaN/Infinity, and nesting too deep for the parser as a BadRecord."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise BadRecord(f"nested more than {MAX_DEPTH} deep") from None
 
 
 @dataclass
@@ -73,6 +115,7 @@ def record_to_sample(rec: Any, sid: str) -> Sample:
     """One record in any of the accepted shapes -> a Sample; BadRecord says what is wrong."""
     if not isinstance(rec, dict):
         raise BadRecord(f"expected a JSON object, got {type(rec).__name__}")
+    check_strings(rec)
     max_tokens = rec.get("max_tokens")
     if max_tokens is not None and (
         not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
@@ -156,13 +199,14 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(raw))
-        return [(reader.line_num, row) for row in reader]  # the line where the row ends
+        return _csv_rows(path, raw)
     if suffix == ".json":
         try:
-            data = json.loads(raw)
+            data = _loads(raw)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        except BadRecord as exc:
+            raise UserError(f"{path}: {exc}") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):  # official SQuAD
             out: list[tuple[int, Any]] = []
             for article in data["data"]:
@@ -176,14 +220,30 @@ def _records(path: Path) -> list[tuple[int, Any]]:
             return [(i + 1, rec) for i, rec in enumerate(data)]
         raise UserError(f"{path}: a .json workload must be a list of records or a SQuAD file")
     out = []
-    for number, line in enumerate(raw.splitlines(), start=1):
+    for number, line in enumerate(raw.split("\n"), start=1):  # JSON Lines: "\n" ends a record, nothing else
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
-            out.append((number, json.loads(line)))
+            out.append((number, _loads(line)))
         except json.JSONDecodeError as exc:
             out.append((number, BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})")))
+        except BadRecord as exc:
+            out.append((number, exc))
     return out
+
+
+def _csv_rows(path: Path, raw: str) -> list[tuple[int, Any]]:
+    """The rows of a CSV file, a field up to ``MAX_FIELD_CHARS`` (the csv module's own limit is 128 KiB)."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(MAX_FIELD_CHARS)
+    reader = csv.DictReader(io.StringIO(raw, newline=""))
+    try:
+        return [(reader.line_num, row) for row in reader]  # the line where the row ends
+    except csv.Error as exc:
+        raise UserError(f"{path}: line {reader.line_num}: {exc}") from None
+    finally:
+        csv.field_size_limit(limit)
 
 
 def load_workload_file(
