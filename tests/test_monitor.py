@@ -97,6 +97,7 @@ def test_a_steady_server_raises_no_alert_and_every_probe_is_kept(server: str, tm
         assert len(h.rows(variant="fp32")) == PROBES
 
 
+@pytest.mark.slow  # 27 s of probes: run by .ci/run's slow pass (the default suite's 10 minutes)
 def test_a_slowdown_injected_mid_watch_is_caught_within_two_probes(server: str, tmp_path: Path) -> None:
     probes, console, exported = _watch(server, tmp_path / "slowed", tmp_path / "history.db", INJECT_AFTER)
     alerts = [a for p in probes for a in p["alerts"]]

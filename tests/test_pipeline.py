@@ -8,6 +8,7 @@ from pathlib import Path
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 PLANS = Path(__file__).resolve().parents[1] / "plans"
@@ -59,6 +60,7 @@ def test_a_run_replays_from_its_plan_yaml_with_the_same_samples_and_schedule(
     assert ra["workload"] == rb["workload"] and ra["runs"][0]["seeds"] == rb["runs"][0]["seeds"]
 
 
+@pytest.mark.slow  # 27 s (a build in the run): run by .ci/run's slow pass (the default suite's 10 minutes)
 def test_a_variant_built_in_the_run_reports_build_s_apart_from_startup(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

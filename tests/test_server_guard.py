@@ -273,3 +273,45 @@ def test_a_router_at_share_0_or_1_lists_its_models(fp32) -> None:  # noqa: ANN00
             assert (
                 tiered["router"]["calibration"]["threshold"] is None and tiered["router"]["always"] == always
             )
+
+
+def test_serve_exits_with_an_error_when_a_worker_cannot_restart(fp32) -> None:  # noqa: ANN001
+    """``run_server`` (what ``variantbench serve`` runs): a worker that fails on every turn stops the
+    server, and the call raises the one-line error the command line prints (exit 1)."""
+    import threading
+
+    from variantbench.errors import UserError
+    from variantbench.loadgen.noop_server import free_port
+    from variantbench.serving.app import make_app
+    from variantbench.serving.host import ServeOptions, run_server, serve_model
+
+    models = {"fp32": serve_model("fp32", fp32, ServeOptions(max_len=256))}
+    worker = models["fp32"].worker
+
+    def broken() -> int:
+        raise RuntimeError("injected, every time")
+
+    worker.scheduler.useful_batch = broken
+    port = free_port()
+    outcome: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            run_server(make_app(models), "127.0.0.1", port)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - what the command line would see
+            outcome.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "fp32", "prompt": "hi",
+                       "max_tokens": 2}, timeout=5)  # fmt: skip
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    thread.join(timeout=30)
+    assert outcome and isinstance(outcome[0], UserError), outcome
+    assert "failed" in str(outcome[0]) and "injected, every time" in str(outcome[0])

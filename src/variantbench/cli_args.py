@@ -165,6 +165,18 @@ SEARCH_FLAGS = FlagTable(
 RUN_FLAGS = FlagTable(FLAGS, aliases=ALIASES, switches=SWITCHES, vllm=True)
 
 
+def _shown_default(info: Any) -> str | None:
+    """A field's default as ``--help`` shows it (none for an empty or unset one)."""
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == "" or value == () or value == {} or value == []:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return ",".join(str(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def flag_help(table: FlagTable | None = None) -> list[tuple[str, str, str]]:
     """(flag, key path, help) for every flag, from the plan's own field descriptions."""
     table = table or RUN_FLAGS
@@ -174,6 +186,8 @@ def flag_help(table: FlagTable | None = None) -> list[tuple[str, str, str]]:
         desc = (info.description or "") if info is not None else ""
         if loc == ("load", "scenario"):
             desc = " | ".join(SCENARIO_TYPES)
+        elif info is not None and (default := _shown_default(info)) is not None:
+            desc = f"{desc} (default: {default})"
         shown = f"{flag} / --no-{flag[2:]}" if _is_bool(loc) else flag
         rows.append((shown, ".".join(loc), desc))
     for flag, (loc, on, off) in table.switches.items():
