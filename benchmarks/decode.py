@@ -1,16 +1,17 @@
-"""Decode speed of our loop against ``model.generate`` and the memory-bandwidth roofline, in one run.
+"""Decode speed at batch 1 against the memory-bandwidth roofline, per precision, in one run.
 
-    python benchmarks/decode.py [--model PATH] [--new-tokens 64] [--repeats 3]
+    python benchmarks/decode.py [--model PATH] [--variants fp32,bf16,smooth+int8:act=token] [--repeats 3]
 
 Measures, on this machine and in this process:
-  (a) memory read bandwidth: the best of several full reads (``sum``) of a 1 GiB buffer that was
-      written first (reading never-touched memory measures the kernel's zero page, not DRAM);
-  (b) our decoder's tokens/s at batch 1 for the fp32 standard variant;
-  (c) ``model.generate`` (greedy, KV cache) tokens/s on the same prompts.
-Decode speed is taken the same way for both: time(N new tokens) - time(1 new token), so prefill is
-left out of both. The roofline is bandwidth / bytes of weights read per token (every weight once;
-a tied embedding counts once, as the output projection).
-Targets from the issue: at least 2x ``generate`` and at least 50% of the roofline.
+  (a) the CPU (its flags: AVX2, AVX-512, AVX-512 BF16/VNNI, AMX) and its memory read bandwidth: the
+      best of several full reads of a 1 GiB buffer written first;
+  (b) per variant, through the same backend a run uses: decode tokens/s at batch 1 (64 new tokens;
+      first token to last), the bytes of weights it reads per token, and its roofline (bandwidth /
+      those bytes: every weight once; a tied embedding counts once, as the output projection); the
+      variants are measured interleaved, repeat by repeat, and each keeps its median;
+  (c) ``model.generate`` (greedy, KV cache) tokens/s in fp32 on the same prompts, against our fp32.
+Goals (issue 42): fp32 at least 75% of its roofline; bf16 at least 1.6x fp32's tokens/s where the CPU
+has bf16 instructions (and never slower than fp32 where it has none); int8 at least 1.8x fp32.
 """
 
 from __future__ import annotations
@@ -30,6 +31,62 @@ PROMPTS = [
 ]
 
 
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """The flags that decide which kernels a precision gets (from /proc/cpuinfo)."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()  # noqa: SIM115 - read once
+    except OSError:
+        return []
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return [f for f in FLAGS if f in have]
+
+
+def cpu_name() -> str:
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()  # noqa: SIM115 - read once
+    except OSError:
+        return "unknown"
+    return next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")), "unknown")
+
+
+def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: int, flags: list[str]) -> None:  # noqa: ANN001
+    """(b): each variant's decode at batch 1 beside its own roofline, interleaved, medians kept."""
+    import statistics
+
+    from variantbench.analysis.diagnosis import decode_rate
+    from variantbench.backends.registry import make_backend
+    from variantbench.variants.spec import VariantSpec
+
+    loaded, info = {}, {}
+    for name in names:
+        backend = make_backend(VariantSpec.parse(name), None, str(folder))
+        backend.status = lambda _m: None
+        load = backend.load()
+        loaded[name], info[name] = backend, load
+        decode_rate(backend, 1, new=8)  # warm
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(repeats):
+        for name, backend in loaded.items():
+            rates[name].append(decode_rate(backend, 1, new=new))
+    base = statistics.median(rates[names[0]])
+    print(f"(b) decode at batch 1, {new} new tokens, median of {repeats} interleaved repeats:")
+    print(f"    {'variant':26s} {'weights MB':>10} {'tokens/s':>9} {'roofline':>9} {'share':>6} {'vs ' + names[0]:>8}  engine")
+    for name in names:
+        rate = statistics.median(rates[name])
+        weights = info[name].param_bytes
+        roof = bandwidth * 1e9 / weights
+        kernel = info[name].details.get("kernels") or info[name].details.get("engine") or ""
+        print(f"    {name:26s} {weights / 1e6:10.0f} {rate:9.1f} {roof:9.1f} {rate / roof:6.0%} {rate / base:7.2f}x  {kernel}")
+        loaded[name].close()
+    has_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    print("    goals: fp32 >= 75% of its roofline; int8 >= 1.8x fp32; bf16 >= 1.6x fp32"
+          + ("" if has_bf16 else " (this CPU has no bf16 instructions: bf16 only never slower than fp32)"))
+
+
 def _timed(fn) -> float:  # noqa: ANN001
     t0 = time.perf_counter()
     fn()
@@ -43,6 +100,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF folder or GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", default="fp32,bf16,smooth+int8:act=token",
+                        help="variants measured against their own roofline (first: the baseline)")  # fmt: skip
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,8 +125,12 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}"
     )
+    flags = cpu_flags()
+    print(f"(a) cpu: {cpu_name()}; flags: {' '.join(flags) or 'none of ' + ' '.join(FLAGS)}")
     bandwidth = memory_bandwidth_gbs()
-    print(f"(a) memory read bandwidth: {bandwidth:.1f} GB/s")
+    print(f"    memory read bandwidth: {bandwidth:.1f} GB/s")
+    per_variant(folder, [v.strip() for v in args.variants.split(",") if v.strip()], bandwidth, args.repeats,
+                args.new_tokens, flags)  # fmt: skip
 
     n = args.new_tokens
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -1,11 +1,14 @@
 """llama.cpp variants: our GGUF export, llama_model_quantize, and the llama-cpp-python backend.
 
-Skipped when llama-cpp-python (the ``llamacpp`` extra, a long source build) is not installed.
+Skipped when llama-cpp-python is not installed (``bash .ci/llama_cpp.sh`` installs it in about 3
+minutes); ``.ci/run`` installs it and sets VARIANTBENCH_REQUIRE_LLAMA_CPP=1, so in CI a missing
+engine fails these tests instead of skipping them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import re
 import shutil
@@ -15,7 +18,12 @@ import pytest
 from variantbench.backends.base import GenerationRequest
 from variantbench.errors import UserError
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llamacpp extra) is not installed")
+if os.environ.get("VARIANTBENCH_REQUIRE_LLAMA_CPP"):
+    import llama_cpp  # noqa: F401 - CI: a missing engine is a failure, not a skip
+else:
+    pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed: bash .ci/llama_cpp.sh (about 3 minutes)"
+    )
 
 PROMPTS = ["The mayor of the town", "Read the report and answer"]
 

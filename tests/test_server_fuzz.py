@@ -8,14 +8,16 @@ healthy after. Three kinds of bodies, each from hypothesis against a real server
   types, deep lists, long and odd strings), or a field dropped;
 * raw: bytes that may not be JSON at all, or not UTF-8, sent with a JSON content type.
 
-The count of requests and of 5xx is printed (the closing note of issue 41 quotes it). About two
-minutes on 2 cores (chat answers run to the context without ``max_tokens``): ``slow``, run by ``.ci/run``.
+The count of requests and of 5xx is printed (the closing note of issue 41 quotes it). About a minute
+on 2 cores at 60 bodies per test (chat answers run to the context without ``max_tokens``): ``slow``,
+run by ``.ci/run``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 STATUS: Counter[int | str] = Counter()
-FUZZ = settings(max_examples=120, deadline=None, database=None, derandomize=True,
+# bodies per test: 60 in CI (540 requests, about a minute); VARIANTBENCH_FUZZ_EXAMPLES=120 gave the
+# 1,080 of issue 41's closing note
+EXAMPLES = int(os.environ.get("VARIANTBENCH_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
@@ -141,4 +146,4 @@ def test_the_server_is_healthy_after_the_fuzzing(server) -> None:  # noqa: ANN00
     assert r.status_code == 200 and r.json()["choices"]
     sent = sum(n for code, n in STATUS.items() if code != "shed")
     faults = sum(n for code, n in STATUS.items() if code != "shed" and code >= 500) - STATUS["shed"]
-    assert sent >= 1000 and faults == 0, STATUS
+    assert sent >= 9 * EXAMPLES and faults == 0, STATUS
