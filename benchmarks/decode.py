@@ -9,7 +9,10 @@ Measures, on this machine and in this process:
       first token to last), the bytes of weights it reads per token, and its roofline (bandwidth /
       those bytes: every weight once; a tied embedding counts once, as the output projection); the
       variants are measured interleaved, repeat by repeat, and each keeps its median;
-  (c) ``model.generate`` (greedy, KV cache) tokens/s in fp32 on the same prompts, against our fp32.
+  (c) ``model.generate`` (greedy, KV cache) tokens/s in fp32 on the same prompts, against our fp32;
+  (d) the engine's fixed cost per token: the same variants on a random model of the same depth and
+      vocabulary but 64 wide, whose weights stay in the caches: what a token costs beyond reading
+      its weights (op dispatch, attention, norms, the int8 path's per-token activation scaling).
 Goals (issue 42): fp32 at least 75% of its roofline; bf16 at least 1.6x fp32's tokens/s where the CPU
 has bf16 instructions (and never slower than fp32 where it has none); int8 at least 1.8x fp32.
 """
@@ -19,38 +22,18 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from typing import Any
 
 import torch
 
 from variantbench.analysis.ceilings import memory_bandwidth_gbs
+from variantbench.environment import cpu_flags, cpu_model
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain in a few sentences why the sky is blue.",
     "List three tips for keeping a small garden healthy through a dry summer.",
 ]
-
-
-FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")
-
-
-def cpu_flags() -> list[str]:
-    """The flags that decide which kernels a precision gets (from /proc/cpuinfo)."""
-    try:
-        text = open("/proc/cpuinfo", encoding="utf-8").read()  # noqa: SIM115 - read once
-    except OSError:
-        return []
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
-    return [f for f in FLAGS if f in have]
-
-
-def cpu_name() -> str:
-    try:
-        text = open("/proc/cpuinfo", encoding="utf-8").read()  # noqa: SIM115 - read once
-    except OSError:
-        return "unknown"
-    return next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")), "unknown")
 
 
 def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: int, flags: list[str]) -> None:  # noqa: ANN001
@@ -61,30 +44,75 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
     from variantbench.backends.registry import make_backend
     from variantbench.variants.spec import VariantSpec
 
-    loaded, info = {}, {}
-    for name in names:
-        backend = make_backend(VariantSpec.parse(name), None, str(folder))
-        backend.status = lambda _m: None
-        load = backend.load()
-        loaded[name], info[name] = backend, load
-        decode_rate(backend, 1, new=8)  # warm
+    # One variant loaded at a time, as a run's isolated variants are: with four loaded in this process
+    # fp32 decoded at 16.4 tokens/s against 25.5 alone (each backend's compute thread and weights
+    # beside the others'). Loaded again for every repeat (the builds are cached), interleaved.
+    info: dict[str, Any] = {}
     rates: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(repeats):
-        for name, backend in loaded.items():
+        for name in names:
+            backend = make_backend(VariantSpec.parse(name), None, str(folder))
+            backend.status = lambda _m: None
+            info[name] = backend.load()
+            decode_rate(backend, 1, new=8)  # warm
             rates[name].append(decode_rate(backend, 1, new=new))
+            backend.close()
+            gc.collect()
     base = statistics.median(rates[names[0]])
     print(f"(b) decode at batch 1, {new} new tokens, median of {repeats} interleaved repeats:")
-    print(f"    {'variant':26s} {'weights MB':>10} {'tokens/s':>9} {'roofline':>9} {'share':>6} {'vs ' + names[0]:>8}  engine")
+    print(
+        f"    {'variant':26s} {'weights MB':>10} {'tokens/s':>9} {'roofline':>9} {'share':>6} {'vs ' + names[0]:>8}  engine"
+    )
     for name in names:
         rate = statistics.median(rates[name])
         weights = info[name].param_bytes
         roof = bandwidth * 1e9 / weights
         kernel = info[name].details.get("kernels") or info[name].details.get("engine") or ""
-        print(f"    {name:26s} {weights / 1e6:10.0f} {rate:9.1f} {roof:9.1f} {rate / roof:6.0%} {rate / base:7.2f}x  {kernel}")
-        loaded[name].close()
+        print(
+            f"    {name:26s} {weights / 1e6:10.0f} {rate:9.1f} {roof:9.1f} {rate / roof:6.0%} {rate / base:7.2f}x  {kernel}"
+        )
+    fixed_cost(folder, names, new)
     has_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
-    print("    goals: fp32 >= 75% of its roofline; int8 >= 1.8x fp32; bf16 >= 1.6x fp32"
-          + ("" if has_bf16 else " (this CPU has no bf16 instructions: bf16 only never slower than fp32)"))
+    print(
+        "    goals: fp32 >= 75% of its roofline; int8 >= 1.8x fp32; bf16 >= 1.6x fp32"
+        + ("" if has_bf16 else " (this CPU has no bf16 instructions: bf16 only never slower than fp32)")
+    )
+
+
+def fixed_cost(folder, names: list[str], new: int) -> None:  # noqa: ANN001
+    """(d): each variant on a narrow copy of the model's shape (its weights fit the caches)."""
+    import statistics
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from variantbench.analysis.diagnosis import decode_rate
+    from variantbench.backends.registry import make_backend
+    from variantbench.variants.spec import VariantSpec
+
+    config = AutoConfig.from_pretrained(folder)
+    heads = max(1, 64 // getattr(config, "head_dim", 64))
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": heads,
+                   "num_key_value_heads": heads, "head_dim": 64 // heads})  # fmt: skip
+    narrow = tempfile.mkdtemp(prefix="vb-narrow-")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(narrow)
+    print(
+        f"(d) fixed cost per token: {config.num_hidden_layers} layers 64 wide, the same vocabulary (weights in cache):"
+    )
+    for name in names:
+        backend = make_backend(VariantSpec.parse(name), None, narrow)
+        backend.status = lambda _m: None
+        try:
+            backend.load()
+            decode_rate(backend, 1, new=8)
+            rate = statistics.median(decode_rate(backend, 1, new=new) for _ in range(3))
+            print(f"    {name:26s} {1e3 / rate:6.1f} ms per token")
+        except Exception as exc:  # noqa: BLE001 - a recipe that needs calibration data it cannot get here
+            print(f"    {name:26s} n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+        finally:
+            backend.close()
 
 
 def _timed(fn) -> float:  # noqa: ANN001
@@ -126,7 +154,7 @@ def main() -> None:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu {torch.backends.cpu.get_cpu_capability()}"
     )
     flags = cpu_flags()
-    print(f"(a) cpu: {cpu_name()}; flags: {' '.join(flags) or 'none of ' + ' '.join(FLAGS)}")
+    print(f"(a) cpu: {cpu_model()}; flags: {' '.join(flags) or 'none read'}")
     bandwidth = memory_bandwidth_gbs()
     print(f"    memory read bandwidth: {bandwidth:.1f} GB/s")
     per_variant(folder, [v.strip() for v in args.variants.split(",") if v.strip()], bandwidth, args.repeats,

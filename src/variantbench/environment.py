@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -30,7 +30,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_flags() -> list[str]:
+def cpu_flags() -> list[str]:
     """The instruction-set extensions that decide which kernels run (from /proc/cpuinfo)."""
     wanted = (
         "avx2",
@@ -41,6 +41,7 @@ def _cpu_flags() -> list[str]:
         "avx_vnni",
         "amx_bf16",
         "amx_int8",
+        "amx_tile",
         "asimd",
         "sve",
     )
@@ -66,8 +67,8 @@ def describe_environment(torch_details: bool = True) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_logical_cores": psutil.cpu_count(logical=True),
         "cpu_physical_cores": psutil.cpu_count(logical=False),
         "memory_bytes": psutil.virtual_memory().total,
@@ -91,5 +92,5 @@ def describe_environment(torch_details: bool = True) -> dict[str, Any]:
 
 def cpu_summary() -> str:
     """One line for a benchmark's head: the CPU, the extensions that pick its kernels, the cores."""
-    flags = _cpu_flags()
-    return f"CPU: {_cpu_model()} ({', '.join(flags) or 'no extensions read'}), {usable_cores()} usable cores"
+    flags = cpu_flags()
+    return f"CPU: {cpu_model()} ({', '.join(flags) or 'no extensions read'}), {usable_cores()} usable cores"

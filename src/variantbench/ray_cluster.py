@@ -79,14 +79,14 @@ def fingerprint() -> dict[str, Any]:
     """The node this code runs on (inside a Ray task or actor), as the report keeps it."""
     import ray
 
-    from variantbench.environment import _cpu_flags, _cpu_model, usable_cores
+    from variantbench.environment import cpu_flags, cpu_model, usable_cores
 
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
         "host": socket.gethostname(),
         "ip": ray.util.get_node_ip_address(),
-        "cpu_model": _cpu_model(),
-        "cpu_flags": _cpu_flags(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": usable_cores(),
         "pid": os.getpid(),
     }

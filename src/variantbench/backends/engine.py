@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import contextlib
 from dataclasses import dataclass, field
+import functools
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +34,23 @@ import torch.nn.functional as F
 # Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
 # of long prompts) the library's own multi-threaded GEMM wins.
 SPLIT_K_MAX_ROWS = 32
+# bf16/fp16 weights on a CPU without instructions for them (issue 42): oneDNN's bf16 product then
+# costs about 205 us per row of a 576x3072 weight, so a 512-token prompt took 106 ms against 14.6 ms
+# computed in fp32 from the weight widened for the call (fp32 weights: 14.1 ms), and bf16 prefill ran
+# at 0.18x fp32's in the default run (2 AVX2 cores). Widening costs more than it saves below a few
+# rows (4 rows: 819 us bf16, 1,109 us widened; 8 rows: 1,625 against 1,174): from this many rows on
+UPCAST_MIN_ROWS = 8
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+@functools.cache
+def native_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions for ``dtype``'s matrix products (fp32 always)."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    from variantbench.environment import cpu_flags
+
+    return any(flag in cpu_flags() for flag in NATIVE_FLAGS[dtype])
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,6 +96,8 @@ class _DenseT:
             self.transposed = weight.dtype == torch.float32
             on_cpu = weight.device.type == "cpu"
             self.pack = on_cpu and self.transposed and torch.backends.mkldnn.is_available()
+            # reduced precision with no instructions for it: prompt rows computed in fp32 (upcast_rows)
+            self.upcast_rows = None if not on_cpu or native_on_cpu(weight.dtype) else UPCAST_MIN_ROWS
             self.packed: torch.Tensor | None = None  # the oneDNN copy
             self.weight: torch.Tensor | None = None  # the plain copy (x @ weight, split-K, lookups)
             self.weight_split: torch.Tensor | None = None
@@ -121,9 +141,12 @@ class _DenseT:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if not self.transposed:
+            if self.upcast_rows is not None and rows >= self.upcast_rows and self.weight is not None:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            return F.linear(x, self.weight, self.bias)
         if self.pack and (rows > 1 or self.weight is None):
             self._ensure_packed()  # made on the first multi-row call
             linear = _packed_linear_eager if torch.compiler.is_compiling() else _packed_linear

@@ -1,4 +1,4 @@
-"""llama.cpp variants: gguf-f32, gguf-f16, gguf-q8_0, gguf-q4_0, gguf-q4_1, gguf-q5_0, gguf-q4_k_m.
+"""llama.cpp variants: gguf-f32, gguf-f16, gguf-bf16, gguf-q8_0, gguf-q4_0, gguf-q4_1, gguf-q5_0, gguf-q4_k_m.
 
 How a GGUF file is made:
 
@@ -36,6 +36,7 @@ from variantbench.variants.base import Recipe, register
 TYPES: dict[str, tuple[str, int]] = {
     "gguf-f32": ("LLAMA_FTYPE_ALL_F32", 0),
     "gguf-f16": ("LLAMA_FTYPE_MOSTLY_F16", 1),
+    "gguf-bf16": ("LLAMA_FTYPE_MOSTLY_BF16", 32),  # beside torch bf16 (benchmarks/engines.py)
     "gguf-q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", 2),
     "gguf-q4_1": ("LLAMA_FTYPE_MOSTLY_Q4_1", 3),
     "gguf-q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", 7),

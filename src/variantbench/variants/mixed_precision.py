@@ -30,9 +30,9 @@ def bf16_hardware(device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         return ok, f"CUDA device {torch.cuda.get_device_name(device)}" + ("" if ok else " without bf16")
-    from variantbench.environment import _cpu_flags
+    from variantbench.environment import cpu_flags
 
-    flags = [f for f in _cpu_flags() if "bf16" in f]
+    flags = [f for f in cpu_flags() if "bf16" in f]
     ok = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and bool(flags)
     return ok, f"CPU with {', '.join(flags)}" if ok else (
         f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX; torch reports "
