@@ -84,3 +84,24 @@ def test_empty_prompt_is_rejected(tiny_model_dir) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="empty prompt"):
         Decoder(model).generate([[]], 4)
+
+
+def test_reduced_precision_prompts_run_in_fp32_where_the_cpu_has_no_instructions_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 42: bf16 on an AVX2 CPU took oneDNN's slow path (a 512-token prompt 7x fp32's time);
+    from UPCAST_MIN_ROWS rows the projection is computed in fp32 and gives bf16 out, the same values."""
+    from variantbench.backends import engine
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    for native in (False, True):
+        monkeypatch.setattr(engine, "native_on_cpu", lambda _dtype, n=native: n)
+        dense = engine._DenseT([linear])
+        assert dense.upcast_rows == (None if native else engine.UPCAST_MIN_ROWS)
+        for rows in (1, engine.UPCAST_MIN_ROWS, 64):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            out = dense(x)
+            want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+            torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
