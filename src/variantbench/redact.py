@@ -39,11 +39,14 @@ def split_url(url: str) -> tuple[str, dict[str, str], str]:
 
 
 def redact_url(url: str) -> str:
-    """A URL with its user-info and its query's values replaced by ``***``."""
+    """A URL with its user-info and its query's values replaced by ``***`` (unchanged without them;
+    the fragment kept: ``NAME=URL#MODEL`` names the served model there)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return REDACTED
+    if "@" not in parts.netloc and not parts.query:
+        return url
     netloc = parts.netloc
     if "@" in netloc:
         netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
@@ -52,7 +55,7 @@ def redact_url(url: str) -> str:
         for item in parts.query.split("&")
         if item
     )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def redact_text(text: str) -> str:
