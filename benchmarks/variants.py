@@ -13,6 +13,7 @@ with no working kernel or backend here gets a row that says why, never a missing
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from typing import Any
@@ -51,33 +52,39 @@ def measure(variants: list[str], repeats: int) -> dict[str, dict[str, Any]]:
         .samples[0]
         .prompt
     )
+    # One variant loaded at a time, as a run isolates them: with four loaded in one process, fp32
+    # decoded at 16.4 tokens/s against 25.5 alone (benchmarks/decode.py). Each is loaded again for
+    # every repeat (builds are cached; a compiled variant compiles again), the repeats interleaved
+    # so drift on a noisy host hits every variant alike; load and compile times are the first's.
     rows: dict[str, dict[str, Any]] = {}
-    loaded: dict[str, Any] = {}
-    for name in variants:
-        backend = make_backend(VariantSpec.parse(name), None, base)
-        backend.status = print
-        started = time.perf_counter()
-        try:
-            info = backend.load()
-        except Exception as exc:  # noqa: BLE001 - a row that says why
-            rows[name] = {"error": str(exc).splitlines()[0]}
-            continue
-        built = info.details.get("built") or {}
-        rows[name] = {"bytes": info.param_bytes, "load_s": time.perf_counter() - started, "built": built,
-                      "compile_s": info.details.get("compile_s"),
-                      "samples": {"b1": [], "b8": [], "prefill": []}}  # fmt: skip
-        loaded[name] = backend
-    for r in range(repeats):  # interleaved, so drift on a noisy host hits every variant alike
-        for name, backend in loaded.items():
+    for r in range(repeats):
+        for name in variants:
+            if "error" in rows.get(name, {}):
+                continue
+            backend = make_backend(VariantSpec.parse(name), None, base)
+            backend.status = print
+            started = time.perf_counter()
+            try:
+                info = backend.load()
+            except Exception as exc:  # noqa: BLE001 - a row that says why
+                rows[name] = {"error": str(exc).splitlines()[0]}
+                backend.close()
+                continue
+            if name not in rows:
+                rows[name] = {"bytes": info.param_bytes, "load_s": time.perf_counter() - started,
+                              "built": info.details.get("built") or {}, "compile_s": info.details.get("compile_s"),
+                              "samples": {"b1": [], "b8": [], "prefill": []}}  # fmt: skip
             s = rows[name]["samples"]
             s["b1"].append(decode_rate(backend, 1))
             s["b8"].append(decode_rate(backend, 8))
             s["prefill"].append(_prefill_rate(backend, long_text))
+            backend.close()
+            gc.collect()
         print(f"repeat {r + 1}/{repeats} done", flush=True)
-    for name, backend in loaded.items():
-        s = rows[name].pop("samples")
-        rows[name].update({k: statistics.median(v) for k, v in s.items()})
-        backend.close()
+    for row in rows.values():
+        if "samples" in row:
+            s = row.pop("samples")
+            row.update({k: statistics.median(v) for k, v in s.items()})
     return rows
 
 
