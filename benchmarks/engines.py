@@ -64,16 +64,9 @@ def batch8_rate(backend: Any, prompts: list[list[int]], new: int = NEW) -> float
     return produced / seconds if seconds > 0 and rows else float("nan")
 
 
-def _prefill_rate(backend: Any, text: str) -> float:
-    from variantbench.backends.base import GenerationRequest
-
-    r = backend.generate([GenerationRequest("p", prompt=text, max_new_tokens=1)])[0]
-    if r.status != "ok":
-        raise RuntimeError(r.error)
-    return r.input_tokens / ((r.first_token_ns - r.start_ns) / 1e9)
-
-
 def _measure(name: str, base: str, long_text: str, prompts: list[list[int]]) -> dict[str, Any]:
+    from variants import prefill_rate  # benchmarks/variants.py: time to the first token of ~512
+
     from variantbench.analysis.diagnosis import decode_rate
     from variantbench.backends.registry import make_backend
     from variantbench.variants.spec import VariantSpec
@@ -84,7 +77,7 @@ def _measure(name: str, base: str, long_text: str, prompts: list[list[int]]) -> 
         info = backend.load()
         decode_rate(backend, 1, new=8)  # warm
         return {"bytes": info.param_bytes, "b1": decode_rate(backend, 1, new=NEW),
-                "b8": batch8_rate(backend, prompts), "prefill": _prefill_rate(backend, long_text)}  # fmt: skip
+                "b8": batch8_rate(backend, prompts), "prefill": prefill_rate(backend, long_text)}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a row that says why, never a missing one
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}"}
     finally:

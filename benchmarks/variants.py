@@ -28,7 +28,7 @@ DEFAULT = (
 GGUF = "gguf-f32,gguf-q8_0,gguf-q4_1,gguf-q4_0"  # added when llama-cpp-python is installed
 
 
-def _prefill_rate(backend: Any, text: str) -> float:
+def prefill_rate(backend: Any, text: str) -> float:
     """Input tokens over the time to the first token, for a prompt of about 512 tokens."""
     from variantbench.backends.base import GenerationRequest
 
@@ -77,7 +77,7 @@ def measure(variants: list[str], repeats: int) -> dict[str, dict[str, Any]]:
             s = rows[name]["samples"]
             s["b1"].append(decode_rate(backend, 1))
             s["b8"].append(decode_rate(backend, 8))
-            s["prefill"].append(_prefill_rate(backend, long_text))
+            s["prefill"].append(prefill_rate(backend, long_text))
             backend.close()
             gc.collect()
         print(f"repeat {r + 1}/{repeats} done", flush=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import re
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 REDACTED = "***"
 _URL = re.compile(r"\b(?:https?|wss?|ray)://[^\s\"'<>]+")
@@ -31,8 +31,6 @@ def split_url(url: str) -> tuple[str, dict[str, str], str]:
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, _, netloc = netloc.rpartition("@")
-        from urllib.parse import unquote
-
         token = base64.b64encode(unquote(userinfo).encode()).decode()
         headers["Authorization"] = f"Basic {token}"
     return urlunsplit((parts.scheme, netloc, parts.path, "", "")), headers, parts.query

@@ -318,7 +318,7 @@ class Server:
         return self.models[name]
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        return parse_body(await request.body(), self.limits.max_body_bytes)
+        return parse_body(await request.body())
 
     def _ids_of(self, req: Any, tokenizer: Any, chat: bool) -> list[int]:
         if chat:
@@ -413,7 +413,7 @@ class Server:
         raw = await request.body()  # starlette keeps it: _parse reads it again
         if b'"echo"' in raw:
             with contextlib.suppress(ApiError):  # a bad body gets its 4xx from the generation path
-                body = parse_body(raw, self.limits.max_body_bytes)
+                body = parse_body(raw)
                 if body.get("echo") is True:
                     return await self._score(body)
         return await self._generate(request, chat=False)

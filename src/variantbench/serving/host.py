@@ -291,7 +291,7 @@ def serve_access(s: ServePlan, environ: dict[str, str]) -> Access:
         raise UserError(f"binding {s.host} without an API key would let anyone on the network use it: set "
                         "--api-key (or VARIANTBENCH_API_KEY), or --allow-unauthenticated")  # fmt: skip
     return Access.for_server(s.host, keys, s.allowed_hosts, public_paths=s.public_paths,
-                             max_body_bytes=int(s.max_body_mb * (1 << 20)), body_timeout_s=s.body_timeout_s)  # fmt: skip
+                             max_body_bytes=serve_limits(s).max_body_bytes, body_timeout_s=s.body_timeout_s)  # fmt: skip
 
 
 def calibration_samples(model_dir: str, n: int, seed: int, input_lengths: str) -> list:

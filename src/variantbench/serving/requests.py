@@ -3,8 +3,9 @@ from this server's configuration, and the OpenAPI document those models describe
 
 Issue 41 found bodies that gave a 500 (nested 1,000 deep, a lone surrogate, ``1e308`` or ``NaN`` in a
 number) and no bound on a body, a prompt (tokenized before its length was checked), ``stop`` or the
-priority a client could pick. Each is now a 4xx with an OpenAI-style error body: ``parse_body``
-refuses the body's shape (413 over the size limit; 400 for nesting, NaN/Infinity, invalid Unicode),
+priority a client could pick. Each is now a 4xx with an OpenAI-style error body: the body's size is the ``Guard``'s
+(``serving/guard.py``: 413 before the rest is read), ``parse_body`` refuses its shape (400 for
+nesting, NaN/Infinity, invalid Unicode),
 then the request's model refuses a field (400, naming it in ``param``). The models are built per
 server (``RequestModels.for_limits``), so their JSON schema, served at ``/openapi.json``, states this
 server's own bounds, and the fuzz suite (``tests/test_server_fuzz.py``) generates bodies from it.
@@ -76,11 +77,9 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
-def parse_body(raw: bytes, limit: int = Limits.max_body_bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a 4xx: too large (413), not JSON (NaN and Infinity are
-    not), nested too deeply, or holding a string that is not valid Unicode (a lone surrogate)."""
-    if len(raw) > limit:
-        raise ApiError(413, f"the request body is over {_mib(limit)}", code="body_too_large")
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body (its size bounded by the ``Guard`` already) as a JSON object, or a 400: not JSON
+    (NaN and Infinity are not), nested too deeply, or holding a string that is not valid Unicode."""
     try:
         body = json.loads(raw, parse_constant=_not_json)
     except RecursionError:
@@ -91,10 +90,6 @@ def parse_body(raw: bytes, limit: int = Limits.max_body_bytes) -> dict[str, Any]
         raise ApiError(400, "the request body must be a JSON object")
     _check_tree(body, 0)
     return body
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):g} MiB"
 
 
 def _check_tree(value: Any, depth: int) -> None:
