@@ -14,7 +14,6 @@ import importlib
 from typing import Any
 
 from variantbench.backends.base import Backend
-from variantbench.errors import UserError
 from variantbench.variants.spec import Artifact, VariantSpec
 
 TORCH_BACKEND = "variantbench.backends.torch_backend:TorchBackend"
@@ -47,9 +46,10 @@ def make_backend(
     build_seed: int = 0,
 ) -> Backend:
     """The in-process backend that runs ``spec`` from its built ``artifact`` (None: built at load)."""
+    from variantbench.devices import check_variant, device_info
+
+    check_variant(spec.name, spec.recipes, device_info(device))
     cls = backend_class(spec, base_dir)
     if spec.engine is not None:
-        if device != "cpu":
-            raise UserError(f"{spec.name}: {spec.engine.kind} variants run on the CPU here")
         return cls(base_dir, spec, threads=threads, build_seed=build_seed, artifact=artifact)
     return cls(base_dir, spec, device=device, threads=threads, build_seed=build_seed, artifact=artifact)

@@ -149,13 +149,15 @@ def parse_variants(plan: Plan) -> dict[str, VariantSpec]:
     return {name: VariantSpec.parse(name) for name in plan.ordered_variants()}
 
 
-def check_device(plan: Plan) -> None:
-    """A CUDA device on this machine, unless the jobs run elsewhere (Ray checks its cluster's)."""
+def check_device(plan: Plan, specs: dict[str, VariantSpec]) -> None:
+    """The plan's device on this machine, and every variant's recipes runnable there (one line each
+    way, before anything is built), unless the jobs run elsewhere (Ray checks its cluster's)."""
     if plan.model.device.startswith("cuda") and plan.execution.executor != "ray":
-        import torch
+        from variantbench.devices import check_variant, device_info
 
-        if not torch.cuda.is_available():
-            raise UserError(f"model.device {plan.model.device}: torch sees no CUDA device on this machine")
+        device = device_info(plan.model.device)
+        for name, spec in specs.items():
+            check_variant(name, spec.recipes, device)
 
 
 class Display:
@@ -284,7 +286,7 @@ def prepare(plan: Plan, console: Console, keep: bool = False, resume: bool = Fal
         require("local", "a local model (model.source)")
         spec = parse_model(plan.model.source)  # a bad path fails here, before anything slow
     specs = parse_variants(plan)
-    check_device(plan)
+    check_device(plan, specs)
     if plan.execution.executor == "ray":  # jobs on its nodes, or (served variants) its sender actors
         from variantbench.ray_cluster import preflight
 
@@ -456,7 +458,7 @@ class RunContext:
         return MeasureJob(
             variant=variant, workload=self.library, log_path=str(self.log_path),
             load=load_settings(plan, rid, self.library.pass_size or len(self.library)), spec=self.specs.get(variant), artifact=artifact,
-            base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, endpoint=self.endpoints.get(variant),
+            base_dir=self.base_dir, device=plan.model.device, threads=plan.model.threads, cuda_graphs=plan.model.cuda_graphs, endpoint=self.endpoints.get(variant),
             find_peak=self.find_peak, criteria=criteria_for(plan), fidelity=self.fidelity if repeat == 0 else None,
             likelihood=self.likelihood if repeat == 0 else None, lm_eval=self.lm_eval if repeat == 0 else None,
             is_standard=variant == self.header.standard, watts_per_core=plan.cost.watts_per_core,

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from variantbench.devices import ANY, DeviceNeed
 from variantbench.errors import UserError
 
 
@@ -36,6 +37,9 @@ class Recipe(BaseModel):
     # EVERY_FAMILY: any registered family (it needs ``model.model.layers``, not Llama's names).
     # Each set is what tests/test_family_recipes.py built and checked on that family's tiny model.
     families: ClassVar[frozenset[str] | None] = None
+    # The devices it runs on, and on CUDA the compute capability it needs (``devices.DeviceNeed``):
+    # checked before anything is built or loaded, so a device without it is one line, not a traceback.
+    devices: ClassVar[DeviceNeed] = ANY
 
     def spec(self) -> str:
         """The recipe written back as ``kind[:args]`` (canonical: what the cache key hashes)."""
@@ -213,6 +217,7 @@ def _load_builtin() -> None:
     from variantbench.variants import (  # noqa: F401
         compiled,
         distill,
+        fp8,
         gguf,
         int8,
         linear_student,

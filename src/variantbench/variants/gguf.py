@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from variantbench.devices import DeviceNeed
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, register
 
@@ -49,6 +50,9 @@ BACKEND = "variantbench.backends.llama_cpp:LlamaCppBackend"
 class GgufVariant(Recipe):
     stage: ClassVar[str] = "engine"
     engine_backend: ClassVar[str] = BACKEND
+    devices: ClassVar[DeviceNeed] = DeviceNeed(
+        cuda="the llama.cpp library here is a CPU build (.ci/llama_cpp.sh); use --device cpu"
+    )
     # the export writes llama.cpp's "llama" architecture (its tensor names, no biases, no windows,
     # no q/k norms): other families would load into llama.cpp and compute the wrong thing
     families: ClassVar[frozenset[str] | None] = frozenset({"llama"})

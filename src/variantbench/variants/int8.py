@@ -15,6 +15,10 @@ output rows back: per-token scales at FBGEMM's speed (KL 0.14, top-1 79%; prefil
 0.83 s for ``int8`` and 1.24 s for fp32 at 512 tokens). The channel outliers are ``smooth``'s job
 (``smooth+int8:act=token``: KL 0.03, top-1 91%).
 
+On CUDA (issue 43) the same recipe is torchao's ``Int8DynamicActivationInt8WeightConfig`` over bf16
+activations: int8 x int8 products on the tensor cores (compute capability 8.0), activations per token
+whatever ``act`` says (torchao offers no other), weights per channel. Without torchao it is one line.
+
 Layers named in the model config's ``variantbench_float_layers`` (written by ``keep-fp32``) stay
 float32. The embedding table stays float32; a tied output projection gets its own int8 copy.
 """
@@ -23,14 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 import warnings
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
-from variantbench.errors import UserError
+from variantbench.devices import DeviceNeed
 from variantbench.variants.base import Recipe, keyword_args, register
 
 # model.config attribute: names of Linear layers that int8 leaves in float32 (see keep-fp32)
@@ -40,6 +44,14 @@ FLOAT_LAYERS = "variantbench_float_layers"
 class Int8Dynamic(Recipe):
     weight_format: ClassVar[str] = "int8"
     act: Literal["tensor", "token"] = "tensor"
+    devices: ClassVar[DeviceNeed] = DeviceNeed(
+        min_capability=(8, 0), for_what="int8 tensor-core products (torch._int_mm), Ampere and newer"
+    )
+
+    def caveat(self, device: Any) -> str | None:
+        if device.type == "cuda" and self.act == "tensor":
+            return "int8 on CUDA: torchao quantizes activations per token (act=token), not per tensor"
+        return None
 
     @classmethod
     def from_args(cls, kind: str, args: str | None) -> Int8Dynamic:
@@ -142,10 +154,20 @@ def quantize_linears(model: nn.Module, per_token: bool, keep: set[str] = frozens
 def to_int8(model: nn.Module, recipe: Recipe) -> nn.Module:
     assert isinstance(recipe, Int8Dynamic)
     device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise UserError("int8 (dynamic quantization) runs on the CPU only; use --device cpu")
+    keep = set(getattr(model.config, FLOAT_LAYERS, None) or ())
+    if device.type == "cuda":
+        return _int8_cuda(model, keep)
     if "fbgemm" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "fbgemm"
     model = model.to(torch.float32)
-    keep = set(getattr(model.config, FLOAT_LAYERS, None) or ())
     return quantize_linears(model, recipe.act == "token", keep)
+
+
+def _int8_cuda(model: nn.Module, keep: set[str]) -> nn.Module:
+    from variantbench.variants.weight_only import _torchao
+
+    q = _torchao("int8 on CUDA")
+    model = model.to(torch.bfloat16)
+    q.quantize_(model, q.Int8DynamicActivationInt8WeightConfig(),
+                filter_fn=lambda m, name: type(m) is nn.Linear and name not in keep)  # fmt: skip
+    return model

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from variantbench.devices import AMPERE_BF16, DeviceNeed
 from variantbench.variants.base import EVERY_FAMILY, Recipe, register
 from variantbench.variants.int8 import joined_biases
 
@@ -43,6 +44,7 @@ def bf16_hardware(device: torch.device) -> tuple[bool, str]:
 class MixedBf16(Recipe):
     weight_format: ClassVar[str] = "bfloat16 matmuls; float32 norms, residual, softmax, logits"
     families: ClassVar[frozenset[str] | None] = EVERY_FAMILY
+    devices: ClassVar[DeviceNeed] = AMPERE_BF16
 
     def caveat(self, device: torch.device) -> str | None:
         ok, why = bf16_hardware(device)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from typing import Any, ClassVar
 
+from variantbench.devices import DeviceNeed
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, register
 
@@ -25,6 +26,9 @@ PRECISIONS = {"onnx-int4": "int4", "onnx-int8": "int8", "onnx-fp32": "fp32"}
 class OnnxExport(Recipe):
     stage: ClassVar[str] = "engine"
     engine_backend: ClassVar[str] = "variantbench.backends.ort_genai:OrtGenAIBackend"
+    devices: ClassVar[DeviceNeed] = DeviceNeed(
+        cuda="onnxruntime-genai runs the export on its CPU provider here; use --device cpu"
+    )
 
     @property
     def precision(self) -> str:

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from variantbench.devices import AMPERE_BF16, DeviceNeed
 from variantbench.variants.base import Recipe, register
 
 
@@ -21,6 +22,7 @@ class Fp32(Recipe):
 
 class Bf16(Recipe):
     weight_format: ClassVar[str] = "bfloat16"
+    devices: ClassVar[DeviceNeed] = AMPERE_BF16
 
 
 class Fp16(Recipe):

@@ -1,4 +1,4 @@
-"""Weight-only quantization with torchao: int8-wo and int4-wo (activations stay float32).
+"""Weight-only quantization with torchao: int8-wo and int4-wo (activations float32 on the CPU, bf16 on CUDA).
 
 ``quantize_(model, Int8WeightOnlyConfig())`` swaps every Linear weight for torchao's Int8Tensor;
 matmuls dequantize on the fly. A tied output projection is untied first, so the embedding table stays
@@ -16,6 +16,7 @@ import warnings
 import torch
 from torch import nn
 
+from variantbench.devices import DeviceNeed
 from variantbench.errors import UserError
 from variantbench.variants.base import Recipe, register
 
@@ -26,15 +27,18 @@ class Int8WeightOnly(Recipe):
 
 class Int4WeightOnly(Recipe):
     weight_format: ClassVar[str] = "int4 weight-only (torchao)"
+    devices: ClassVar[DeviceNeed] = DeviceNeed(
+        min_capability=(8, 0), for_what="tinygemm's int4 kernel, Ampere and newer"
+    )
 
 
-def _torchao():  # noqa: ANN202 - the module
+def _torchao(what: str = "weight-only variants"):  # noqa: ANN202 - the module
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import torchao.quantization as q
     except ImportError:
-        raise UserError("weight-only variants need torchao: pip install 'variantbench[torchao]'") from None
+        raise UserError(f"{what} needs torchao: pip install 'variantbench[torchao]'") from None
     return q
 
 
@@ -51,7 +55,9 @@ def _untie(model: nn.Module) -> None:
 @register("int8-wo", Int8WeightOnly, "int8 weight-only on Linear layers (torchao), float activations")
 def to_int8_wo(model: nn.Module, recipe: Recipe) -> nn.Module:
     q = _torchao()
-    model = model.to(torch.float32)
+    # float32 activations on the CPU (its bf16 products are slow without AMX); bf16 on CUDA
+    cuda = next(model.parameters()).device.type == "cuda"
+    model = model.to(torch.bfloat16 if cuda else torch.float32)
     _untie(model)
     q.quantize_(model, q.Int8WeightOnlyConfig())
     return model
@@ -66,7 +72,9 @@ def to_int4_wo(model: nn.Module, recipe: Recipe) -> nn.Module:
     try:
         model = model.to(torch.bfloat16)
         _untie(model)
-        q.quantize_(model, q.Int4WeightOnlyConfig(group_size=32))
+        # CUDA: tinygemm's tile-packed layout; the default (plain) needs the mslk/fbgemm-genai kernels
+        packing = {"int4_packing_format": "tile_packed_to_4d"} if device.type == "cuda" else {}
+        q.quantize_(model, q.Int4WeightOnlyConfig(group_size=32, **packing))
         probe = next(m for m in model.modules() if isinstance(m, nn.Linear))
         probe(torch.zeros(1, probe.in_features, dtype=torch.bfloat16, device=device))
     except Exception as exc:  # noqa: BLE001 - any kernel or import failure means: no int4 path here
