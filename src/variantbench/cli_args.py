@@ -29,6 +29,7 @@ FLAGS: dict[str, Location] = {
     "--tokenizer": ("model", "tokenizer"),
     "--device": ("model", "device"),
     "--threads": ("model", "threads"),
+    "--cuda-graphs": ("model", "cuda_graphs"),
     "--build-seed": ("model", "build_seed"),
     "--tasks": ("load", "tasks"),
     "--workload": ("workload", "file"),

@@ -84,6 +84,9 @@ class ModelPlan(_Section):
     )
     device: str = Field("cpu", description="cpu or cuda[:N]")
     threads: PositiveInt | None = Field(None, description="torch threads (default: torch's own choice)")
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, replay decode steps from CUDA graphs (off: eager; the report says which)"
+    )
     build_seed: int = Field(0, description="seed of the calibration and distillation text of built variants")
 
     @field_validator("device")

@@ -88,6 +88,14 @@ class ReportsStatus(Protocol):
 
 
 @runtime_checkable
+class CudaGraphs(Protocol):
+    """Can replay its decode steps from CUDA graphs on a CUDA device (``model.cuda_graphs``), or
+    decode eagerly; set before ``load()``, and its load info says which it does and why."""
+
+    cuda_graphs: bool
+
+
+@runtime_checkable
 class CompactsWeights(Protocol):
     """Can drop a second, speed-only copy of its weights (a server's memory over batch-1 speed);
     returns the bytes it freed (0: it keeps one copy already)."""

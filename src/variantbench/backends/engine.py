@@ -521,6 +521,10 @@ class Decoder:
         self._rope_cache: dict[str | None, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._step = self._decode_step
         self.compiled = False
+        # "eager": the step as Python calls it; "cuda-graphs": replayed from a captured graph
+        # (cuda_graphs.py; ``use_cuda_graphs``); "static": the graphs' fixed-shape step run eagerly
+        self.decode_mode = "eager"
+        self._graphs: Any = None
         self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
 
     def _layer(self, index: int, block: nn.Module) -> _Layer:
@@ -712,11 +716,16 @@ class Decoder:
         attn_mask: torch.Tensor | None,
         is_causal: bool,
         rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+        slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run all blocks on ``x`` [B, S, H] at cache slots ``start:start+S``; return hidden states.
 
         ``rope`` is ``_rope_tables(n)`` for some ``n`` past every position (made outside, so this
         function has no side effects and ``torch.compile`` can trace it whole).
+
+        ``slot`` (a one-element tensor; one token per row): the cache slot as a tensor instead of
+        ``start``, and attention over the whole cache under ``attn_mask``: every shape is then the
+        same from step to step, as a CUDA graph's replay needs (``_static_step``).
         """
         bsz, seq, _ = x.shape
         tables = self._rope_at(rope, positions, lambda t: t.unsqueeze(1))  # [B, 1, S, D]
@@ -741,12 +750,17 @@ class Decoder:
                 x = self._mlp(layer, x)
                 continue
             k_cache, v_cache = entry
-            k_cache[:, :, start:end] = k
-            v_cache[:, :, start:end] = v
-            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+            if slot is None:
+                k_cache[:, :, start:end] = k
+                v_cache[:, :, start:end] = v
+                keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+            else:
+                k_cache.index_copy_(2, slot, k)
+                v_cache.index_copy_(2, slot, v)
+                keys, values = k_cache, v_cache
             spec = layer.attention
             if not spec.plain and q_index is None:
-                q_index = torch.arange(start, end, device=x.device)
+                q_index = slot if slot is not None else torch.arange(start, end, device=x.device)
             if seq == 1 and nq != nkv:
                 # Decode with grouped-query attention: the G query heads of a group become G query
                 # rows against their one shared KV head, so the cache is never expanded (copied)
@@ -940,6 +954,26 @@ class Decoder:
         hidden = self._forward(x, positions.unsqueeze(1), cache, cur, mask, False, rope)
         return self._logits(hidden[:, -1]).argmax(-1)
 
+    def _static_step(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot: torch.Tensor,
+        storage: torch.Tensor,
+        valid: torch.Tensor,
+        rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The decode step with every shape and address fixed, what a CUDA graph captures and
+        replays (``cuda_graphs.GraphedDecode``): the step's cache slot is a tensor, and attention
+        reads the whole cache under ``valid`` [B, length] instead of a slice that grows each step.
+        Same tokens as ``_decode_step`` (tests/test_cuda_logic.py runs both on the CPU)."""
+        x = self._embed(next_ids.unsqueeze(1))
+        cache = self._cache_views(storage)
+        hidden = self._forward(
+            x, positions.unsqueeze(1), cache, 0, valid[:, None, None, :], False, rope, slot
+        )
+        return self._logits(hidden[:, -1]).argmax(-1)
+
     def compile_decode_step(self, **options: object) -> None:
         """Run the decode step through ``torch.compile`` (Inductor) from now on.
 
@@ -959,6 +993,24 @@ class Decoder:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         self._step = torch.compile(self._decode_step, dynamic=None, **options)  # type: ignore[assignment]
         self.compiled = True
+
+    def use_cuda_graphs(self, on: bool = True, static_on_cpu: bool = False) -> str | None:
+        """Decode from CUDA graphs from now on (or eagerly, ``on=False``); returns why not where the
+        model cannot be captured (it then decodes eagerly). ``static_on_cpu``: run the graphs'
+        fixed-shape step on the CPU, uncaptured (what the tests compare with the eager step)."""
+        from variantbench.backends import cuda_graphs
+
+        self.decode_mode, self._graphs = "eager", None
+        if not on:
+            return None
+        why = cuda_graphs.refusal(self)
+        if static_on_cpu and self.device.type == "cpu" and why and why.startswith("CUDA graphs need"):
+            why = None
+        if why is None:
+            capture = self.device.type == "cuda"
+            self._graphs = cuda_graphs.GraphCache(self, capture=capture)
+            self.decode_mode = "cuda-graphs" if capture else "static"
+        return why
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -1020,19 +1072,32 @@ class Decoder:
             max_new_tokens = [max_new_tokens] * bsz
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: at least one input token is required")
+        from variantbench.backends.device_clock import phase_clock
+
         t0 = clock() if start_ns is None else start_ns
+        dev = self.device
+        # marks in the device's stream (CUDA events), resolved to host ns at the end: a host clock
+        # read after an asynchronous kernel would time its launch (device_clock.py)
+        marks = phase_clock(dev, clock)
         lengths = [len(p) for p in prompts]
         seq = max(lengths)
         budget = max(max_new_tokens)
         total = seq + budget
-        dev = self.device
+        graphed = self._graphs.get(bsz, total) if self._graphs is not None and budget > 1 else None
         ids = torch.zeros(bsz, seq, dtype=torch.long, device=dev)
-        valid = torch.zeros(bsz, total, dtype=torch.bool, device=dev)
+        if graphed is not None:  # the graph's own cache and mask, reused from call to call
+            storage, states = graphed.storage, []
+            graphed.valid.zero_()
+            valid = graphed.valid[:, :total]
+        else:
+            storage, states = self._new_cache(bsz, total)
+            valid = torch.zeros(bsz, total, dtype=torch.bool, device=dev)
         for b, p in enumerate(prompts):
             ids[b, seq - len(p) :] = torch.tensor(list(p), dtype=torch.long, device=dev)
             valid[b, seq - len(p) :] = True
+        if graphed is not None:
+            valid[:, seq:] = False
         padded = any(n != seq for n in lengths)
-        storage, states = self._new_cache(bsz, total)
         cache = self._cache_views(storage, states)
         if self.compiled:
             torch._dynamo.mark_dynamic(storage, 4)  # the cache length differs from call to call
@@ -1053,12 +1118,12 @@ class Decoder:
             x = self._embed(ids)
             hidden = self._forward(x, positions, cache, 0, prefill_mask, causal_flag, rope)
             next_ids = self._logits(hidden[:, -1]).argmax(-1)
-        now = clock()
-        prefill_ns = now - t0
+        now = marks.mark()
 
         stop = set(int(s) for s in stop_ids)
         out: list[list[int]] = [[] for _ in range(bsz)]
-        timings = [DecodeTimings(start_ns=t0) for _ in range(bsz)]
+        token_marks: list[list[int]] = [[] for _ in range(bsz)]
+        end_marks: list[int | None] = [None] * bsz
         done = [False] * bsz
         last_pos = positions[:, -1].clone()
         step = 0
@@ -1068,28 +1133,36 @@ class Decoder:
                 if done[b]:
                     continue
                 out[b].append(tokens[b])
-                timings[b].token_ns.append(now)
+                token_marks[b].append(now)
                 if tokens[b] in stop or len(out[b]) >= max_new_tokens[b]:
                     done[b] = True
-                    timings[b].end_ns = now
+                    end_marks[b] = now
             if all(done) or step + 1 >= budget:
                 break
             cur = seq + step
             last_pos = last_pos + 1
-            if padded or self.compiled:
-                # the compiled step always takes a mask: one graph for padded and unpadded batches
-                valid[:, cur] = True
-                step_mask = valid[:, None, None, : cur + 1]
-            else:
-                step_mask = None
             with self._region("decode_step"):
-                next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope, states)
-            now = clock()
+                if graphed is not None:
+                    valid[:, cur] = True
+                    next_ids = graphed.step(next_ids, last_pos, cur)
+                else:
+                    if padded or self.compiled:
+                        # the compiled step always takes a mask: one graph for padded and unpadded batches
+                        valid[:, cur] = True
+                        step_mask = valid[:, None, None, : cur + 1]
+                    else:
+                        step_mask = None
+                    next_ids = self._step(next_ids, last_pos, storage, cur, step_mask, rope, states)
+            now = marks.mark()
             step += 1
-        for t in timings:
-            if not t.end_ns:
-                t.end_ns = now
-        return DecodeOutput(out, timings, prefill_ns, step)
+        times = marks.resolve()
+        timings = [
+            DecodeTimings(
+                t0, [times[m] for m in token_marks[b]], times[now if end_marks[b] is None else end_marks[b]]
+            )
+            for b in range(bsz)
+        ]
+        return DecodeOutput(out, timings, times[0] - t0, step)
 
 
 def _out_features(module: nn.Module) -> int:

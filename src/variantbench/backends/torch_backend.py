@@ -66,6 +66,7 @@ class TorchBackend:
         self._pinned_threads = False
         self._max_positions: int | None = None
         self._info: dict[str, Any] = {}
+        self.cuda_graphs = True  # on a CUDA device: decode steps replayed from graphs (base.CudaGraphs)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._decoder is not None:
@@ -155,6 +156,11 @@ class TorchBackend:
             self._decoder = Decoder(model, family)
         except UnsupportedModel as exc:
             raise UserError(str(exc)) from None
+        eager_why = None
+        if self._decoder.device.type == "cuda":
+            eager_why = self._decoder.use_cuda_graphs(self.cuda_graphs) or (
+                None if self.cuda_graphs else "model.cuda_graphs is off"
+            )
         self._max_positions = getattr(config, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else self._tokenizer.eos_token_id
@@ -178,6 +184,8 @@ class TorchBackend:
             "prompt_format": self.prompt_format(),
             "layers": len(self._decoder.layers),
             "parameters": parameters,
+            "decode": self._decoder.decode_mode,  # eager | cuda-graphs
+            "decode_eager_why": eager_why,
         }
         compile_options = getattr(model, COMPILE_ATTRIBUTE, None)
         del model

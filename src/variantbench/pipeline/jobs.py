@@ -81,6 +81,7 @@ class MeasureJob:
     base_dir: str = ""
     device: str = default_of("model.device")
     threads: int | None = default_of("model.threads")
+    cuda_graphs: bool = default_of("model.cuda_graphs")
     endpoint: Endpoint | None = None
     find_peak: bool = default_of("load.find_peak")
     criteria: Criteria = field(default_factory=Criteria)
@@ -119,7 +120,14 @@ class MeasureJob:
         from variantbench.backends.registry import make_backend
 
         assert self.spec is not None
-        return make_backend(self.spec, self.artifact, self.base_dir, device=self.device, threads=self.threads)
+        from variantbench.backends.base import CudaGraphs
+
+        backend = make_backend(
+            self.spec, self.artifact, self.base_dir, device=self.device, threads=self.threads
+        )
+        if isinstance(backend, CudaGraphs):
+            backend.cuda_graphs = self.cuda_graphs
+        return backend
 
     def run(self, emit: Emit) -> VariantResult:
         from variantbench.pipeline.measure import measure_variant
