@@ -1,11 +1,14 @@
 """The machine's measured ceilings: matmul GFLOP/s and memory bandwidth, probed in a few seconds.
 
 The diagnosis reads a variant's achieved FLOP/s and bytes/s against these, so "slow" means slow
-for this machine. Probed with torch on the CPU (best of several repeats), or on a CUDA device.
+for this machine. Probed with torch on the CPU (best of several repeats), or on a CUDA device:
+there timed with CUDA events (the kernels are asynchronous), over a 1 GiB buffer (an H100's 50 MB
+L2 would flatter a smaller one), with a bf16 8192^3 product for the tensor cores' FLOP/s.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from typing import Any
@@ -46,7 +49,48 @@ def matmul_gflops(n: int = 1024, repeats: int = 5, device: str = "cpu") -> float
     return 2 * n**3 / best / 1e9
 
 
+def cuda_seconds(fn: Any, repeats: int) -> float:
+    """Best time of ``fn()`` on the current CUDA stream, by CUDA events, after one warm call."""
+    import torch
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def cuda_probe(device: str, nbytes: int = 1 << 30, n: int = 8192) -> dict[str, Any]:
+    """A CUDA device's read bandwidth (a reduction) and its bf16 and fp32 matmul throughput."""
+    import torch
+
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    read_s = cuda_seconds(buf.sum, 10)
+    del buf
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16_s = cuda_seconds(functools.partial(torch.matmul, a, b), 5)
+    a32, b32 = a.float(), b.float()
+    fp32_s = cuda_seconds(functools.partial(torch.matmul, a32, b32), 3)
+    del a, b, a32, b32
+    torch.cuda.empty_cache()
+    return {
+        "memory_gbps": round(nbytes / read_s / 1e9, 1),
+        "bf16_gflops": round(2 * n**3 / bf16_s / 1e9, 1),
+        "matmul_gflops": round(2 * n**3 / fp32_s / 1e9, 1),
+        "device": device,
+        "how": f"CUDA events: a {nbytes >> 20} MiB bf16 reduction, bf16 and fp32 {n}^3 products, best of 3-10",
+    }
+
+
 def probe(device: str = "cpu", nbytes: int = 1 << 28) -> dict[str, Any]:
+    if device.startswith("cuda"):
+        return cuda_probe(device)
     return {
         "matmul_gflops": round(matmul_gflops(device=device), 1),
         "memory_gbps": round(memory_bandwidth_gbs(nbytes, device=device), 2),

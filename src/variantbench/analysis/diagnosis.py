@@ -131,6 +131,14 @@ def profile_decoder(decoder: Any, prompt_len: int = 128, steps: int = 8) -> dict
     finally:
         decoder.profile_regions = False
     ops: dict[str, float] = {}
+    gpu: dict[str, Any] = {}
+    if decoder.device.type == "cuda":  # kernel gaps of the decode steps (after the prefill's region)
+        from variantbench.analysis.kernel_gaps import cuda_kernels, idle_share
+
+        prefill_end = max((e.time_range.end for e in events if e.name == "prefill"), default=float("-inf"))
+        kernels = cuda_kernels(events, prefill_end)
+        gpu = {"gpu_idle_share": idle_share(kernels), "gpu_kernels_per_step": round(len(kernels) / max(1, steps), 1),
+               "decode_mode": decoder.decode_mode}  # fmt: skip
     decode_us, n_steps = region_families(events, "decode_step", ops)
     prefill_us, _ = region_families(events, "prefill")
     per_step = {f: round(t / max(1, n_steps) / 1e3, 4) for f, t in decode_us.items()}
@@ -150,6 +158,7 @@ def profile_decoder(decoder: Any, prompt_len: int = 128, steps: int = 8) -> dict
         "prefill_op_share": _shares(prefill_us),
         "prefill_op_ms": {f: round(t / 1e3, 3) for f, t in prefill_us.items()},
         "profiler": f"torch.profiler {torch.__version__}: 1 prefill of {prompt_len} tokens + {n_steps} decode steps",
+        **gpu,
     }
 
 

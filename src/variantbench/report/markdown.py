@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from variantbench.analysis.kernel_gaps import bound_phrase
 from variantbench.report.schema import Report
 
 
@@ -295,6 +296,8 @@ def _diagnosis(report: Report) -> list[str]:
         roof = "-"
         if d.achieved_gbps is not None and d.ceiling_gbps:
             roof = f"{d.achieved_gbps:.2f} GB/s ({d.achieved_gbps / d.ceiling_gbps:.0%})"
+        if d.gpu_idle_share is not None:  # a CUDA device: what bounds the step, and how it was launched
+            roof += f"; {bound_phrase(d.achieved_gbps, d.ceiling_gbps, d.gpu_idle_share)} ({d.decode_mode})"
         rows.append(
             [r.variant, _f(d.decode_step_ms, ".2f"), *share, batch, _f(d.achieved_gflops, ".2f"), roof]
         )

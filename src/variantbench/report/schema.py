@@ -150,9 +150,16 @@ class TaskReport(_Model):
 
 
 class GpuResources(_Model):
-    util: float | None = None  # mean percent
+    """NVML's (or nvidia-smi's) samples over the measured blocks (trackers/gpu.py)."""
+
+    util: float | None = None  # mean percent of time a kernel ran
+    mem_bw_util: float | None = None  # mean percent of time device memory was read or written
     mem_bytes: int | None = None  # peak used
+    sm_clock_mhz: float | None = None  # mean
+    power_w: float | None = None  # mean
     energy_j: float | None = None
+    energy_from: str | None = None  # "counter" | "power integrated"
+    samples: int | None = None
 
 
 class Resources(_Model):
@@ -249,6 +256,9 @@ class Diagnosis(_Model):
     ceiling_gbps: float | None = None
     batch_tokens_per_s: dict[str, float] = Field(default_factory=dict)  # "1", "8", "32"
     cache_misses: str | None = None  # perf counters, or why they were unavailable
+    gpu_idle_share: float | None = None  # CUDA: decode span with no kernel running (analysis/kernel_gaps.py)
+    gpu_kernels_per_step: float | None = None
+    decode_mode: str | None = None  # CUDA: "cuda-graphs" or "eager"
     profiler: str | None = None
     summary: str = ""
 

@@ -5,9 +5,9 @@ handle (NVML) is released in ``__exit__``, also when the body raises.
 
 * Memory and CPU: psutil on this process (resident set size; CPU seconds, user + system, so the
   utilization is CPU seconds / (wall seconds x usable cores)).
-* GPU: NVML (``nvidia-ml-py``) when a CUDA device is in use: utilization and memory sampled, energy
-  from the cumulative counter (``nvmlDeviceGetTotalEnergyConsumption``) where the driver has it, else
-  power samples integrated over time.
+* GPU (``trackers/gpu.py``): NVML (``nvidia-ml-py``) or ``nvidia-smi`` when a CUDA device is in use:
+  utilization, memory-bandwidth utilization, memory, SM clock and power sampled; energy from the
+  cumulative counter where the driver has it, else power samples integrated over time.
 * CPU energy: Linux RAPL (``/sys/class/powercap/*/energy_uj`` of the package domains) where
   readable, wrap-around handled; otherwise an estimate, CPU seconds x ``watts_per_core``, and every
   output says ``energy_source: "estimate"``.
@@ -28,6 +28,8 @@ from typing import Any
 
 import psutil
 
+from variantbench.trackers.gpu import GpuSample, NvmlSource, SmiSource, open_gpu, summarize
+
 DEFAULT_WATTS_PER_CORE = 10.0  # a busy server core, roughly; configurable, and labelled an estimate
 
 
@@ -39,19 +41,38 @@ class ResourceSample:
     gpu_util: float | None = None  # percent
     gpu_mem_bytes: int | None = None
     gpu_power_w: float | None = None
+    gpu_mem_bw_util: float | None = None  # percent of time device memory was busy
+    gpu_sm_clock_mhz: float | None = None
+    gpu_energy_mj: int | None = None  # the driver's cumulative counter
+
+
+GPU_FIELDS = (
+    "gpu_util",
+    "gpu_mem_bytes",
+    "gpu_power_w",
+    "gpu_mem_bw_util",
+    "gpu_sm_clock_mhz",
+    "gpu_energy_mj",
+)
 
 
 def sample_row(x: ResourceSample) -> list[Any]:
-    """A sample as raw/*.json keeps it: [t_ns, rss_bytes, cpu_s], plus the GPU's three fields when a
-    GPU was sampled (rows stay short for the CPU-only runs that are most of them)."""
+    """A sample as raw/*.json keeps it: [t_ns, rss_bytes, cpu_s], plus the GPU's fields (``GPU_FIELDS``)
+    when a GPU was sampled (rows stay short for the CPU-only runs that are most of them)."""
     row: list[Any] = [x.t_ns, x.rss_bytes, round(x.cpu_s, 4)]
-    if x.gpu_util is not None or x.gpu_mem_bytes is not None or x.gpu_power_w is not None:
-        row += [x.gpu_util, x.gpu_mem_bytes, x.gpu_power_w]
+    gpu = [getattr(x, name) for name in GPU_FIELDS]
+    if any(v is not None for v in gpu):
+        row += gpu
     return row
 
 
 def sample_from_row(row: list[Any]) -> ResourceSample:
-    return ResourceSample(*row[:6])
+    return ResourceSample(*row[: 3 + len(GPU_FIELDS)])
+
+
+def gpu_samples(samples: list[ResourceSample]) -> list[GpuSample]:
+    return [GpuSample(s.t_ns, s.gpu_util, s.gpu_mem_bw_util, s.gpu_mem_bytes, s.gpu_sm_clock_mhz, s.gpu_power_w,
+                      s.gpu_energy_mj) for s in samples if any(getattr(s, n) is not None for n in GPU_FIELDS)]  # fmt: skip
 
 
 @dataclass
@@ -65,7 +86,9 @@ class ResourceResult:
     energy_j: float | None = None
     energy_source: str = "estimate"  # "rapl" | "estimate", with "+nvml" when a GPU's energy is added
     watts_per_core: float | None = None  # the estimate's assumption, when it is one
-    gpu: dict[str, Any] | None = None  # {util, mem_bytes, energy_j}
+    gpu: dict[str, Any] | None = (
+        None  # gpu.summarize: util, mem_bw_util, mem_bytes, sm_clock_mhz, power_w, energy_j
+    )
     samples: list[ResourceSample] = field(default_factory=list)
 
     def to_json(self, with_samples: bool = True) -> dict[str, Any]:
@@ -114,52 +137,6 @@ class _Rapl:
         return total / 1e6
 
 
-class _Nvml:
-    """One CUDA device through NVML; ``None`` from ``open`` when NVML or the device is missing."""
-
-    def __init__(self, nvml: Any, handle: Any) -> None:
-        self.nvml = nvml
-        self.handle = handle
-        try:
-            self.energy_start_mj: int | None = nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        except Exception:  # noqa: BLE001 - older GPUs and drivers lack the counter
-            self.energy_start_mj = None
-
-    @classmethod
-    def open(cls, index: int = 0) -> _Nvml | None:
-        try:
-            import pynvml as nvml
-
-            nvml.nvmlInit()
-        except Exception:  # noqa: BLE001 - no library, no driver: no GPU tracking
-            return None
-        try:
-            return cls(nvml, nvml.nvmlDeviceGetHandleByIndex(index))
-        except Exception:  # noqa: BLE001
-            nvml.nvmlShutdown()
-            return None
-
-    def sample(self) -> tuple[float, int, float | None]:
-        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
-        mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
-        try:
-            power = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0
-        except Exception:  # noqa: BLE001
-            power = None
-        return float(util), int(mem), power
-
-    def energy_j(self) -> float | None:
-        if self.energy_start_mj is None:
-            return None
-        return (self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) - self.energy_start_mj) / 1000.0
-
-    def close(self) -> None:
-        try:
-            self.nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 class ResourceTracker:
     def __init__(
         self,
@@ -176,7 +153,7 @@ class ResourceTracker:
         self._process = psutil.Process(pid)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._nvml: _Nvml | None = None
+        self._gpu: NvmlSource | SmiSource | None = None
         self._rapl: _Rapl | None = None
         self._t0 = 0
         self._cpu0 = 0.0
@@ -188,8 +165,14 @@ class ResourceTracker:
 
     def _sample(self) -> None:
         s = ResourceSample(time.perf_counter_ns(), self._process.memory_info().rss, self._cpu_s())
-        if self._nvml is not None:
-            s.gpu_util, s.gpu_mem_bytes, s.gpu_power_w = self._nvml.sample()
+        if self._gpu is not None:
+            g = self._gpu.sample()
+            s.gpu_util, s.gpu_mem_bytes, s.gpu_power_w = g.util, g.mem_bytes, g.power_w
+            s.gpu_mem_bw_util, s.gpu_sm_clock_mhz, s.gpu_energy_mj = (
+                g.mem_bw_util,
+                g.sm_clock_mhz,
+                g.energy_mj,
+            )
         self.result.samples.append(s)
 
     def _loop(self) -> None:
@@ -202,7 +185,7 @@ class ResourceTracker:
     def __enter__(self) -> ResourceTracker:
         try:
             if self.gpu_index is not None:
-                self._nvml = _Nvml.open(self.gpu_index)
+                self._gpu = open_gpu(self.gpu_index)
             domains = rapl_domains(self.rapl_root)
             self._rapl = _Rapl(domains) if domains else None
             self._t0 = time.perf_counter_ns()
@@ -229,8 +212,8 @@ class ResourceTracker:
             self._close()
 
     def _close(self) -> None:
-        if self._nvml is not None:
-            self._nvml.close()
+        if self._gpu is not None:
+            self._gpu.close()
 
     def _finish(self) -> None:
         r = self.result
@@ -249,20 +232,9 @@ class ResourceTracker:
             energy += r.cpu_s * self.watts_per_core
             r.watts_per_core = self.watts_per_core
             sources.append("estimate")
-        if self._nvml is not None:
-            gpu_energy = self._nvml.energy_j()
-            if gpu_energy is None:  # integrate the power samples
-                pts = [(s.t_ns, s.gpu_power_w) for s in r.samples if s.gpu_power_w is not None]
-                gpu_energy = sum(
-                    (b[0] - a[0]) / 1e9 * (a[1] + b[1]) / 2 for a, b in zip(pts, pts[1:], strict=False)
-                )
-            utils = [s.gpu_util for s in r.samples if s.gpu_util is not None]
-            r.gpu = {
-                "util": sum(utils) / len(utils) if utils else None,
-                "mem_bytes": max((s.gpu_mem_bytes or 0 for s in r.samples), default=0),
-                "energy_j": gpu_energy,
-            }
-            energy += gpu_energy or 0.0
+        if self._gpu is not None:
+            r.gpu = summarize(gpu_samples(r.samples))
+            energy += r.gpu["energy_j"] or 0.0
             sources.append("nvml")
         r.energy_j = energy
         r.energy_source = "+".join(sources)
@@ -285,15 +257,20 @@ def merge_results(parts: list[ResourceResult]) -> ResourceResult:
     energies = [p.energy_j for p in parts]
     out.energy_j = None if any(e is None for e in energies) else sum(e or 0.0 for e in energies)
     out.energy_source, out.watts_per_core = parts[0].energy_source, parts[0].watts_per_core
-    gpus = [p.gpu for p in parts if p.gpu]
+    gpus = [(p.gpu, p.wall_s) for p in parts if p.gpu]
     if gpus:
-        utils = [
-            (g["util"], p.wall_s) for p, g in zip(parts, gpus, strict=False) if g.get("util") is not None
-        ]
+
+        def weighted(key: str) -> float | None:
+            pts = [(g[key], w) for g, w in gpus if g.get(key) is not None]
+            total = sum(w for _, w in pts)
+            return sum(v * w for v, w in pts) / total if pts and total else None
+
         out.gpu = {
-            "util": sum(u * w for u, w in utils) / sum(w for _, w in utils) if utils else None,
-            "mem_bytes": max(g.get("mem_bytes") or 0 for g in gpus),
-            "energy_j": sum(g.get("energy_j") or 0.0 for g in gpus),
+            **{k: weighted(k) for k in ("util", "mem_bw_util", "sm_clock_mhz", "power_w")},
+            "mem_bytes": max(g.get("mem_bytes") or 0 for g, _ in gpus),
+            "energy_j": sum(g.get("energy_j") or 0.0 for g, _ in gpus),
+            "energy_from": gpus[0][0].get("energy_from"),
+            "samples": sum(g.get("samples") or 0 for g, _ in gpus),
         }
     out.samples = [x for p in parts for x in p.samples]
     return out
