@@ -38,8 +38,11 @@ SPLIT_K_MAX_ROWS = 32
 # costs about 205 us per row of a 576x3072 weight, so a 512-token prompt took 106 ms against 14.6 ms
 # computed in fp32 from the weight widened for the call (fp32 weights: 14.1 ms), and bf16 prefill ran
 # at 0.18x fp32's in the default run (2 AVX2 cores). Widening costs more than it saves below a few
-# rows (4 rows: 819 us bf16, 1,109 us widened; 8 rows: 1,625 against 1,174): from this many rows on
-UPCAST_MIN_ROWS = 8
+# rows. One projection timed alone (its weight in cache) crossed over at 8 rows (1,625 us bf16, 1,174
+# widened), but a decode step streams 30 layers' weights from DRAM and widening writes and reads an
+# fp32 copy of each: bf16 batch-8 decode measured 34.2 tokens/s widened against 47.3 native (median
+# of 4 interleaved pairs), batch 16 72 against 59 and batch 32 109 against 51 (3 pairs each). So
+UPCAST_MIN_ROWS = 16
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
