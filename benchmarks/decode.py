@@ -7,7 +7,8 @@ Measures, on this machine and in this process:
       best of several full reads of a 1 GiB buffer written first;
   (b) per variant, through the same backend a run uses: decode tokens/s at batch 1 (64 new tokens;
       first token to last), the bytes of weights it reads per token, and its roofline (bandwidth /
-      those bytes: every weight once; a tied embedding counts once, as the output projection); the
+      those bytes: every weight once; a tied embedding counts once, as the output projection, and an
+      untied table not at all, as int8's fp32 lookup table: one row a token); the
       variants are measured interleaved, repeat by repeat, and each keeps its median;
   (c) ``model.generate`` (greedy, KV cache) tokens/s in fp32 on the same prompts, against our fp32;
   (d) the engine's fixed cost per token: the same variants on a random model of the same depth and
@@ -65,7 +66,7 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
     )
     for name in names:
         rate = statistics.median(rates[name])
-        weights = info[name].param_bytes
+        weights = info[name].details.get("streamed_bytes") or info[name].param_bytes
         roof = bandwidth * 1e9 / weights
         kernel = info[name].details.get("kernels") or info[name].details.get("engine") or ""
         print(

@@ -166,7 +166,7 @@ def variants_section(
     from variantbench.devices import CPU, device_info, refusals
     from variantbench.trackers.gpu import open_gpu, summarize
     from variantbench.variants.base import apply_recipes, parse_variant
-    from variantbench.variants.measure import param_bytes
+    from variantbench.variants.measure import streamed_bytes
 
     info = device_info(device) if device.startswith("cuda") else CPU
     base = default_architecture(model_dir, quick)
@@ -183,7 +183,7 @@ def variants_section(
             continue
         try:
             model = apply_recipes(copy.deepcopy(base).to(device), recipes)
-            nbytes = param_bytes(model)
+            nbytes = streamed_bytes(model)
             decoder = Decoder(model)
             del model
         except Exception as exc:  # noqa: BLE001 - a recipe without its kernel here: its row says why

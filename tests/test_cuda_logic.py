@@ -199,3 +199,13 @@ def test_kernel_gaps_count_overlaps_once_and_name_the_bound() -> None:
     )
     assert bound_phrase(2400.0, 3350.0, 0.05).startswith("memory-bound: 72%")
     assert bound_phrase(None, None, None) is None
+
+
+def test_the_bytes_a_token_reads_leave_out_an_embedding_table_the_head_does_not_share() -> None:
+    from variantbench.variants.measure import param_bytes, streamed_bytes
+
+    model = tiny_model(tiny_config("llama", 400, tie_word_embeddings=True))
+    table = 400 * 64 * 4
+    for variant, untied in (("fp32", False), ("bf16", False), ("int8:act=token", True)):
+        built = apply_recipes(copy.deepcopy(model), parse_variant(variant))
+        assert streamed_bytes(built) == param_bytes(built) - (table if untied else 0), variant

@@ -138,13 +138,14 @@ class TorchBackend:
         from variantbench.families import family_for, registered_types
         from variantbench.variants import weight_format
         from variantbench.variants.compiled import COMPILE_ATTRIBUTE
-        from variantbench.variants.measure import param_bytes
+        from variantbench.variants.measure import param_bytes, streamed_bytes
 
         model, parameters, caveats, t0 = self._load_model()
         recipes, load_time, built = self.spec.recipes, self.spec.load_chain, self.artifact.manifest
         for caveat in caveats if self.status else ():
             self.status(caveat)
         nbytes = param_bytes(model)
+        streamed = streamed_bytes(model)
         config = model.config
         family = family_for(config)
         if family is None:  # the registry sends such a model to the transformers fallback
@@ -184,6 +185,7 @@ class TorchBackend:
             "prompt_format": self.prompt_format(),
             "layers": len(self._decoder.layers),
             "parameters": parameters,
+            "streamed_bytes": streamed,  # read per decoded token (a separate embedding table is not)
             "decode": self._decoder.decode_mode,  # eager | cuda-graphs
             "decode_eager_why": eager_why,
         }

@@ -255,7 +255,7 @@ class VariantSession:
                 try:
                     diagnosis = diagnose_backend(
                         backend,
-                        load.param_bytes,
+                        load.details.get("streamed_bytes") or load.param_bytes,  # read per token
                         load.details.get("parameters"),
                         job.counters,
                         known={BATCH_SIZE: statistics.median(self.batch_rates)} if self.batch_rates else None,

@@ -304,7 +304,7 @@ def _diagnosis(report: Report) -> list[str]:
     lines += _table(
         ["variant", "decode step ms", *[f"{f} share" for f in fams], "decode tok/s at batch 1 / 8 / 32",
          "achieved GFLOP/s (derived: 2 x params x tokens/s)",
-         "achieved bandwidth (derived: weight bytes x tokens/s; of the measured ceiling)"],
+         "achieved bandwidth (derived: bytes of weights read per token x tokens/s; of the measured ceiling)"],
         rows,
     )  # fmt: skip
     lines += [""] + [f"- {r.diagnosis.summary}" for r in runs if r.diagnosis and r.diagnosis.summary]

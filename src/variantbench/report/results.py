@@ -98,7 +98,9 @@ class VariantResult(_Model):
     load: LoadFacts | None = None
     build: BuildFacts | None = None
     resources: Resources = Field(default_factory=Resources)
-    resource_samples: list[list[Any]] = Field(default_factory=list)  # [t_ns, rss, cpu_s(, resources.GPU_FIELDS)]
+    resource_samples: list[list[Any]] = Field(
+        default_factory=list
+    )  # [t_ns, rss, cpu_s(, resources.GPU_FIELDS)]
     server_metrics: ServerScrape | None = None
     phases_s: dict[str, float] = Field(default_factory=dict)
     peak_search: list[PeakTrial] = Field(default_factory=list)

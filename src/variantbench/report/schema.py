@@ -251,7 +251,7 @@ class Diagnosis(_Model):
     decode_step_ms: float | None = None
     top_ops: list[dict[str, Any]] = Field(default_factory=list)  # decode: the operators taking most time
     achieved_gflops: float | None = None  # decode at batch 1: 2 x parameters x tokens/s
-    achieved_gbps: float | None = None  # decode at batch 1: weight bytes x tokens/s
+    achieved_gbps: float | None = None  # decode at batch 1: weight bytes read per token x tokens/s
     ceiling_gflops: float | None = None
     ceiling_gbps: float | None = None
     batch_tokens_per_s: dict[str, float] = Field(default_factory=dict)  # "1", "8", "32"

@@ -55,3 +55,16 @@ def param_bytes(model: nn.Module) -> int:
             if name not in non_persistent:
                 add(b)
     return total
+
+
+def streamed_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads from memory: every weight once, less an embedding table that the
+    output projection does not share (a token looks up one row of it). int8 gives a tied head its own
+    int8 copy, so its fp32 table (113 MB of SmolLM2-135M's 251) is not read per token; counting it
+    halved int8's roofline in ``benchmarks/decode.py``."""
+    total = param_bytes(model)
+    embed = getattr(model.get_input_embeddings(), "weight", None)
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(embed, torch.Tensor) or head is embed:
+        return total
+    return total - embed.numel() * embed.element_size()
