@@ -305,5 +305,6 @@ def test_operator_families_of_the_new_recipes_regions() -> None:
     assert family_of("linear_attention") == "attention"  # the linear-attn student's region
     assert family_of("quantize_per_token") == "quantize/dequantize"  # int8:act=token's row scaling
     assert family_of("quantized::linear_dynamic") == "matmul"  # FBGEMM quantizes inside the kernel
+    assert family_of("aten::_scaled_mm") == family_of("aten::_int_mm") == "matmul"  # fp8 and int8 (CUDA)
     assert family_of("aten::linear") == family_of("aten::bmm") == "matmul"
     assert family_of("aten::scaled_dot_product_attention") == "attention"

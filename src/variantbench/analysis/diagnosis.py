@@ -37,7 +37,19 @@ def family_of(name: str) -> str:
     if "scaled_dot_product" in n or "attention" in n or "softmax" in n:
         return "attention"
     if any(
-        k in n for k in ("linear", "matmul", "aten::mm", "aten::bmm", "addmm", "baddbmm", "gemm", "aten::dot")
+        k in n
+        for k in (
+            "linear",
+            "matmul",
+            "aten::mm",
+            "aten::bmm",
+            "addmm",
+            "baddbmm",
+            "gemm",
+            "aten::dot",
+            "scaled_mm",
+            "_int_mm",
+        )  # fp8 and int8 products (CUDA's tensor cores)
     ):
         return "matmul"
     if "quantize" in n or "dequant" in n or "qparams" in n or n in _CONVERSIONS:
