@@ -8,7 +8,8 @@ of 32), int4-wo = Q4_0 (torchao's int4 weight-only: a row that says so where its
 not run). Per engine and precision:
 
 * decode tokens/s at batch 1 (64 new tokens after a short prompt; first token to last) and its
-  share of the roofline: the memory bandwidth measured here / the weight bytes the engine loaded;
+  share of the roofline: the memory bandwidth measured here / the weight bytes the engine reads per token (ours: less an
+  embedding table the output projection does not share);
 * decode tokens/s at batch 8: 8 prompts joined into the continuous batch the server uses for that
   engine (``serving/batching.batch_for``: our paged batch; llama.cpp's sequences in one
   ``llama_decode``), then the steps until every row has its 64 tokens, rows x steps / time;
@@ -76,7 +77,7 @@ def _measure(name: str, base: str, long_text: str, prompts: list[list[int]]) -> 
     try:
         info = backend.load()
         decode_rate(backend, 1, new=8)  # warm
-        return {"bytes": info.param_bytes, "b1": decode_rate(backend, 1, new=NEW),
+        return {"bytes": info.details.get("streamed_bytes") or info.param_bytes, "b1": decode_rate(backend, 1, new=NEW),
                 "b8": batch8_rate(backend, prompts), "prefill": prefill_rate(backend, long_text)}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a row that says why, never a missing one
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:140] if str(exc) else ''}"}
