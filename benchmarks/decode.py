@@ -57,6 +57,7 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
             info[name] = backend.load()
             decode_rate(backend, 1, new=8)  # warm
             rates[name].append(decode_rate(backend, 1, new=new))
+            info[name].details["kernels"] = backend.info().get("kernels")
             backend.close()
             gc.collect()
     base = statistics.median(rates[names[0]])

@@ -74,7 +74,7 @@ def test_fused_int8_projection_equals_its_parts(per_token: bool) -> None:
 def test_the_training_fake_quantizer_computes_what_the_kernel_does(per_token: bool) -> None:
     torch.manual_seed(2)
     linear = nn.Linear(64, 32)
-    x = _outlier_input()
+    x = _outlier_input(rows=12)  # a prompt's rows: FBGEMM's kernel (a decode step's few run the q8 kernel)
     fake = FakeInt8Linear(_copy(linear), per_token)(x).detach()
     real = Int8Linear.from_linear(_copy(linear), per_token)(x)
     # same grids; only float rounding of the scales differs
@@ -229,3 +229,48 @@ def test_training_runs_in_bf16_only_where_the_hardware_has_it() -> None:
     assert on == native and (said.startswith("bf16") if native else why in said)
     assert autocast_bf16("fp32", cpu) == (False, "fp32 (asked)")
     assert autocast_bf16("bf16", cpu)[0] is True
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_decode_steps_rows_run_the_q8_kernel_close_to_fbgemm(per_token: bool) -> None:
+    """The few rows of a decode step go to the AVX2 q8 kernel where it is built and timed faster for
+    the shape; its products stay within int8's error of FBGEMM's and of float, weights at -128 too."""
+    from variantbench.variants import int8, q8_kernel
+
+    run, how = q8_kernel.kernel()
+    if run is None:
+        pytest.skip(f"no q8 kernel here: {how}")
+    torch.manual_seed(3)
+    linear = nn.Linear(576, 96)
+    with torch.no_grad():
+        linear.weight[0, 0] = -4.0  # the row's largest magnitude, negative: its int8 is -128 in FBGEMM's grid
+    module = Int8Linear.from_linear(_copy(linear), per_token)
+    assert module.inner.weight().int_repr().min() == -128
+    int8.Q8_CHOICES[(96, 576)] = "q8"  # as the timing would choose here (not timed: a test must not depend on it)
+    fbgemm = Int8Linear.from_linear(_copy(linear), per_token)
+    fbgemm._q8 = False
+    for rows in (1, 3, 8) if per_token else (1,):
+        x = torch.randn(rows, 576)
+        with torch.no_grad():
+            got, want, theirs = module(x), linear(x), fbgemm(x)
+        assert module._q8_path() is not None
+        error = float((got - want).norm() / want.norm())  # row 0's -4.0 coarsens its grid: ~2.7% here
+        assert error < 1.5 * float((theirs - want).norm() / want.norm()) + 0.005  # FBGEMM's 7-bit rows err more
+        assert error < 0.04
+    assert "96x576: q8" in (int8.kernel_summary() or "")
+
+
+def test_without_the_q8_kernel_int8_keeps_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from variantbench.variants import int8, q8_kernel
+
+    monkeypatch.setenv("VARIANTBENCH_Q8_KERNEL", "0")
+    q8_kernel.kernel.cache_clear()
+    monkeypatch.setattr(int8, "Q8_CHOICES", {})
+    try:
+        assert q8_kernel.kernel() == (None, "off (VARIANTBENCH_Q8_KERNEL=0)")
+        module = Int8Linear.from_linear(nn.Linear(64, 32), True)
+        x = torch.randn(1, 64)
+        assert module._q8_path() is None and int8.Q8_CHOICES == {(32, 64): "fbgemm"}
+        torch.testing.assert_close(module(x), module.inner(x / x.abs().amax()) * x.abs().amax() + module.bias)
+    finally:
+        q8_kernel.kernel.cache_clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from typing import Any
 
@@ -217,7 +218,15 @@ class TorchBackend:
         return LoadInfo(startup_s=startup_s, param_bytes=nbytes, details=dict(self._info))
 
     def info(self) -> dict[str, Any]:
-        return dict(self._info) if self._info else {"backend": "torch", "variant": self.name}
+        out = dict(self._info) if self._info else {"backend": "torch", "variant": self.name}
+        int8 = sys.modules.get("variantbench.variants.int8")  # the kernels its products chose, once run
+        if (
+            int8 is not None
+            and "int8" in str(self._info.get("weight_format", ""))
+            and (summary := int8.kernel_summary())
+        ):
+            out["kernels"] = summary
+        return out
 
     @on_compute
     def compact_weights(self) -> int:

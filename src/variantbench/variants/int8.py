@@ -35,6 +35,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from variantbench.devices import DeviceNeed
+from variantbench.variants import q8_kernel
 from variantbench.variants.base import Recipe, keyword_args, register
 
 # model.config attribute: names of Linear layers that int8 leaves in float32 (see keep-fp32)
@@ -94,6 +95,20 @@ class Int8Linear(nn.Module):
         self.per_token = per_token
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = inner.in_features, inner.out_features
+        self._q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | bool | None = None
+
+    def _q8_path(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(int8 weights [N, K], their scales, the bias) for the q8 kernel where it is chosen for this
+        shape (``q8_choice``), made on the first few-row call; None: FBGEMM."""
+        if self._q8 is None:
+            self._q8 = False
+            if q8_choice(self) == "q8":
+                weight = self.inner.weight()
+                bias = self.bias if self.per_token else self.inner.bias()
+                # -128 -> -127: the kernel negates weights by the activations' signs, and -(-128) wraps
+                self._q8 = (weight.int_repr().clamp(min=-127).contiguous(), weight.q_per_channel_scales().float().contiguous(),
+                            None if bias is None else bias.detach().float())  # fmt: skip
+        return self._q8 or None  # type: ignore[return-value]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, per_token: bool) -> Int8Linear:
@@ -121,6 +136,17 @@ class Int8Linear(nn.Module):
         return cls(inner, modules[0].per_token, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        # a decode step's few rows through the q8 kernel (per-row scales: for act=tensor, one row only)
+        if rows <= (q8_kernel.MAX_ROWS if self.per_token else 1) and (q8 := self._q8_path()) is not None:
+            run, _ = q8_kernel.kernel()
+            assert run is not None
+            with (
+                record_function("q8_gemm") if torch.autograd.profiler._is_profiler_enabled else nullcontext()
+            ):
+                y = run(x.reshape(rows, self.in_features).float().contiguous(), q8[0], q8[1])
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if q8[2] is None else y.add_(q8[2])
         if not self.per_token:
             return self.inner(x)
         if x.numel() == self.in_features:
@@ -142,6 +168,56 @@ class Int8Linear(nn.Module):
         with label:
             y = y.mul_(scale)
         return y if self.bias is None else y.add_(self.bias)
+
+
+# (N, K) -> "q8" | "fbgemm": which product this process chose for a decode step of that shape
+Q8_CHOICES: dict[tuple[int, int], str] = {}
+
+
+def q8_choice(module: Int8Linear) -> str:
+    """The faster of the q8 kernel and FBGEMM for one row of ``module``'s shape, measured once per shape
+    and process (5 calls each after a warm one, weights in cache: the kernel's margin grows when they
+    stream from memory); "fbgemm" where the kernel is unavailable or K is not a multiple of 32."""
+    key = (module.out_features, module.in_features)
+    if key not in Q8_CHOICES:
+        run, _ = q8_kernel.kernel()
+        if run is None or module.in_features % 32:
+            Q8_CHOICES[key] = "fbgemm"
+            return Q8_CHOICES[key]
+        import time
+
+        x = torch.randn(1, module.in_features)
+        weight = module.inner.weight()
+        ints, scales = (
+            weight.int_repr().clamp(min=-127).contiguous(),
+            weight.q_per_channel_scales().float().contiguous(),
+        )
+
+        def best(fn: object) -> float:
+            times = []
+            for _ in range(6):
+                t0 = time.perf_counter()
+                fn()  # type: ignore[operator]
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+
+        with torch.inference_mode():
+            q8 = best(lambda: run(x, ints, scales))
+            fbgemm = best(lambda: module.inner(x))
+        Q8_CHOICES[key] = "q8" if q8 < fbgemm else "fbgemm"
+    return Q8_CHOICES[key]
+
+
+def kernel_summary() -> str | None:
+    """What this process's int8 products ran on at a decode step's rows, for the variant's info."""
+    if not Q8_CHOICES:
+        return None
+    _, how = q8_kernel.kernel()
+    chosen = sorted(f"{n}x{k}: {c}" for (n, k), c in Q8_CHOICES.items())
+    return (
+        f"int8 at <= {q8_kernel.MAX_ROWS} rows, chosen per shape by a timing at first use ({how}): "
+        + ", ".join(chosen)
+    )
 
 
 def quantize_linears(model: nn.Module, per_token: bool, keep: set[str] = frozenset()) -> nn.Module:  # type: ignore[assignment]
