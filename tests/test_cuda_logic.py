@@ -18,7 +18,13 @@ from variantbench.devices import CPU, DeviceInfo, check_variant, parse_device, r
 from variantbench.errors import UserError
 from variantbench.models.tiny import TINY, tiny_config, tiny_model
 from variantbench.trackers.gpu import parse_smi, summarize
-from variantbench.trackers.resources import ResourceResult, ResourceSample, merge_results, sample_from_row, sample_row
+from variantbench.trackers.resources import (
+    ResourceResult,
+    ResourceSample,
+    merge_results,
+    sample_from_row,
+    sample_row,
+)
 from variantbench.variants.base import apply_recipes, parse_variant
 from variantbench.variants.fp8 import Fp8Linear
 

@@ -246,7 +246,9 @@ def test_a_decode_steps_rows_run_the_q8_kernel_close_to_fbgemm(per_token: bool) 
         linear.weight[0, 0] = -4.0  # the row's largest magnitude, negative: its int8 is -128 in FBGEMM's grid
     module = Int8Linear.from_linear(_copy(linear), per_token)
     assert module.inner.weight().int_repr().min() == -128
-    int8.Q8_CHOICES[(96, 576)] = "q8"  # as the timing would choose here (not timed: a test must not depend on it)
+    int8.Q8_CHOICES[(96, 576)] = (
+        "q8"  # as the timing would choose here (not timed: a test must not depend on it)
+    )
     fbgemm = Int8Linear.from_linear(_copy(linear), per_token)
     fbgemm._q8 = False
     for rows in (1, 3, 8) if per_token else (1,):
@@ -255,7 +257,9 @@ def test_a_decode_steps_rows_run_the_q8_kernel_close_to_fbgemm(per_token: bool) 
             got, want, theirs = module(x), linear(x), fbgemm(x)
         assert module._q8_path() is not None
         error = float((got - want).norm() / want.norm())  # row 0's -4.0 coarsens its grid: ~2.7% here
-        assert error < 1.5 * float((theirs - want).norm() / want.norm()) + 0.005  # FBGEMM's 7-bit rows err more
+        assert (
+            error < 1.5 * float((theirs - want).norm() / want.norm()) + 0.005
+        )  # FBGEMM's 7-bit rows err more
         assert error < 0.04
     assert "96x576: q8" in (int8.kernel_summary() or "")
 
