@@ -12,7 +12,10 @@ Weights are kept in [-127, 127] (a -128 would wrap when negated by the sign tric
 It is compiled on first use (``cc -O3 -mavx2 -mfma -fopenmp``, under a second) into the cache,
 keyed by the source's hash, and called through ctypes on the tensors' memory. Where the CPU lacks
 AVX2 or there is no C compiler, ``kernel()`` is None with the reason, and ``int8`` keeps FBGEMM.
-Prompts (more than ``MAX_ROWS`` rows) stay on FBGEMM, whose GEMM is the faster there.
+Prompts (more than ``MAX_ROWS`` rows) stay on FBGEMM, whose GEMM is the faster there: 512 rows of a
+3072x576 product took 9.2 ms in FBGEMM against 12-16 ms in this kernel's 8-row blocks. So the kernel
+keeps its own int8 copy of the weights beside FBGEMM's packed one: +134 MB resident for SmolLM2-135M
+(smooth+int8's peak RSS 1,039-1,090 MB against 934 before, over the edge profile's 1 GiB in one run).
 """
 
 from __future__ import annotations
