@@ -282,11 +282,13 @@ def main() -> None:
     wanted = set(args.sections.split(","))
     results: dict[str, Any] = {"missing_modules": preflight(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     smi = None
-    if args.device.startswith("cuda") and (exe := __import__("shutil").which("nvidia-smi")):
-        from variantbench.trackers.gpu import SMI_FIELDS
+    if args.device.startswith("cuda"):
+        from variantbench.devices import parse_device
+        from variantbench.trackers.gpu import smi_command
 
-        smi = subprocess.Popen([exe, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
-                                "-lms=200"], stdout=(out / "nvidia_smi.csv").open("w"), stderr=subprocess.DEVNULL)  # fmt: skip
+        cmd = smi_command(parse_device(args.device)[1] or 0, 200)
+        if cmd is not None:
+            smi = subprocess.Popen(cmd, stdout=(out / "nvidia_smi.csv").open("w"), stderr=subprocess.DEVNULL)
     try:
         if "device" in wanted:
             section(results, "device", device_section, args.device, args.quick)

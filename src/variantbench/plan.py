@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from variantbench.analysis.profiles import PROFILES, Profile
+from variantbench.errors import UserError
 
 # the best of each kind (issue 42): the float baseline, half its bytes, and the int8 that keeps its
 # quality. Plain int8 (one scale per activation tensor) collapsed on the default model: KL 0.92-0.95
@@ -92,8 +93,12 @@ class ModelPlan(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if value != "cpu" and not (value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        from variantbench.devices import parse_device
+
+        try:
+            parse_device(value)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
 

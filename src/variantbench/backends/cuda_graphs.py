@@ -27,14 +27,17 @@ def bucket(total: int) -> int:
     return -(-total // BUCKET) * BUCKET
 
 
-def refusal(decoder: Any) -> str | None:
-    """Why ``decoder``'s decode step cannot be captured in a CUDA graph, or None."""
-    if decoder.device.type != "cuda":
-        return f"CUDA graphs need a CUDA device (this decoder is on {decoder.device.type})"
+def refusal(decoder: Any, capture: bool = True) -> str | None:
+    """Why ``decoder``'s decode step cannot be captured in a CUDA graph, or None. ``capture=False``:
+    why the fixed-shape step cannot run at all (the static step on the CPU, uncaptured)."""
     if decoder.compiled:
         return "the compile variant's step is torch.compile's (its own graphs)"
     if decoder.has_linear_attention:
         return "linear-attention layers keep a state outside the KV cache"
+    if not capture:
+        return None
+    if decoder.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this decoder is on {decoder.device.type})"
     if any(layer.experts is not None for layer in decoder.layers):
         return "mixture-of-experts routing sends a data-dependent number of tokens to each expert"
     return None

@@ -1006,9 +1006,7 @@ class Decoder:
         self.decode_mode, self._graphs = "eager", None
         if not on:
             return None
-        why = cuda_graphs.refusal(self)
-        if static_on_cpu and self.device.type == "cpu" and why and why.startswith("CUDA graphs need"):
-            why = None
+        why = cuda_graphs.refusal(self, capture=not (static_on_cpu and self.device.type == "cpu"))
         if why is None:
             capture = self.device.type == "cuda"
             self._graphs = cuda_graphs.GraphCache(self, capture=capture)

@@ -40,6 +40,15 @@ class GpuSample:
     energy_mj: int | None = None  # the driver's cumulative counter (NVML only)
 
 
+def smi_command(index: int, period_ms: int) -> list[str] | None:
+    """``nvidia-smi`` streaming ``SMI_FIELDS`` of device ``index`` every ``period_ms``; None without it."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    return [exe, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits", f"-i={index}",
+            f"-lms={period_ms}"]  # fmt: skip
+
+
 def _number(text: str) -> float | None:
     text = text.strip()
     if not text or text.startswith("[") or text.upper() in ("N/A", "NOT SUPPORTED"):
@@ -162,11 +171,9 @@ class SmiSource:
 
     @classmethod
     def open(cls, index: int, period_ms: int = 100) -> SmiSource | None:
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
+        cmd = smi_command(index, period_ms)
+        if cmd is None:
             return None
-        cmd = [exe, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
-               f"-i={index}", f"-lms={period_ms}"]  # fmt: skip
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:

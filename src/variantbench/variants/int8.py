@@ -103,11 +103,8 @@ class Int8Linear(nn.Module):
         if self._q8 is None:
             self._q8 = False
             if q8_choice(self) == "q8":
-                weight = self.inner.weight()
                 bias = self.bias if self.per_token else self.inner.bias()
-                # -128 -> -127: the kernel negates weights by the activations' signs, and -(-128) wraps
-                self._q8 = (weight.int_repr().clamp(min=-127).contiguous(), weight.q_per_channel_scales().float().contiguous(),
-                            None if bias is None else bias.detach().float())  # fmt: skip
+                self._q8 = (*q8_weights(self), None if bias is None else bias.detach().float())
         return self._q8 or None  # type: ignore[return-value]
 
     @classmethod
@@ -174,6 +171,13 @@ class Int8Linear(nn.Module):
 Q8_CHOICES: dict[tuple[int, int], str] = {}
 
 
+def q8_weights(module: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's int8 weights [N, K] in [-127, 127] and their float32 scales, as the q8 kernel reads
+    them (-128 -> -127: the kernel negates weights by the activations' signs, and -(-128) wraps)."""
+    weight = module.inner.weight()
+    return weight.int_repr().clamp(min=-127).contiguous(), weight.q_per_channel_scales().float().contiguous()
+
+
 def q8_choice(module: Int8Linear) -> str:
     """The faster of the q8 kernel and FBGEMM for one row of ``module``'s shape, measured once per shape
     and process (5 calls each after a warm one, weights in cache: the kernel's margin grows when they
@@ -187,11 +191,7 @@ def q8_choice(module: Int8Linear) -> str:
         import time
 
         x = torch.randn(1, module.in_features)
-        weight = module.inner.weight()
-        ints, scales = (
-            weight.int_repr().clamp(min=-127).contiguous(),
-            weight.q_per_channel_scales().float().contiguous(),
-        )
+        ints, scales = q8_weights(module)
 
         def best(fn: object) -> float:
             times = []
