@@ -97,7 +97,7 @@ def device_section(device: str, quick: bool) -> dict[str, Any]:
 
     out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if device.startswith("cuda"):
-        from variantbench.devices import device_info
+        from variantbench.device_probe import device_info
 
         out.update(device_info(device).to_json())
         out["ceilings"] = ceilings.cuda_probe(device, nbytes=(1 << 28) if quick else (1 << 30))
@@ -163,7 +163,8 @@ def variants_section(
 
     from variantbench.analysis.diagnosis import profile_decoder
     from variantbench.backends.engine import Decoder
-    from variantbench.devices import CPU, device_info, refusals
+    from variantbench.device_probe import device_info
+    from variantbench.devices import CPU, refusals
     from variantbench.trackers.gpu import open_gpu, summarize
     from variantbench.variants.base import apply_recipes, parse_variant
     from variantbench.variants.measure import streamed_bytes

@@ -1,9 +1,10 @@
 """Which device runs a variant, and whether that device can run each recipe of it (issue 43).
 
 A device is ``cpu`` or ``cuda[:N]``. What a CUDA device can do is decided by its compute capability
-(``major.minor``), read once through ``torch.cuda.get_device_properties`` (the only CUDA call here,
-:func:`cuda_info`); everything else is plain logic over a :class:`DeviceInfo`, tested on the CPU
-with the properties of real cards (a T4, an A100, an H100) written down.
+(``major.minor``), read once through ``torch.cuda.get_device_properties`` in
+:mod:`variantbench.device_probe` (the only CUDA calls, kept apart so that the plan, which checks a
+device's name here, imports no torch); everything here is plain logic over a :class:`DeviceInfo`,
+tested on the CPU with the properties of real cards (a T4, an A100, an H100) written down.
 
 Each recipe declares what it needs (``Recipe.devices``, a :class:`DeviceNeed`): the devices it runs
 on, and on CUDA the lowest compute capability whose tensor cores compute its format. A variant
@@ -78,26 +79,6 @@ def select(text: str, count: int) -> tuple[str, int | None]:
                 f"device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
             )
     return kind, index
-
-
-def cuda_info(index: int) -> DeviceInfo:
-    """The properties of CUDA device ``index`` (thin: one torch call)."""
-    import torch
-
-    p = torch.cuda.get_device_properties(index)
-    return DeviceInfo("cuda", index, p.name, (p.major, p.minor), int(p.total_memory))
-
-
-def device_info(text: str) -> DeviceInfo:
-    """The device ``text`` names, as this machine has it (one line when it has not)."""
-    kind, index = parse_device(text)
-    if kind == "cpu":
-        return CPU
-    import torch
-
-    select(text, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    assert index is not None
-    return cuda_info(index)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def make_backend(
     build_seed: int = 0,
 ) -> Backend:
     """The in-process backend that runs ``spec`` from its built ``artifact`` (None: built at load)."""
-    from variantbench.devices import check_variant, device_info
+    from variantbench.device_probe import device_info
+    from variantbench.devices import check_variant
 
     check_variant(spec.name, spec.recipes, device_info(device))
     cls = backend_class(spec, base_dir)

@@ -153,7 +153,8 @@ def check_device(plan: Plan, specs: dict[str, VariantSpec]) -> None:
     """The plan's device on this machine, and every variant's recipes runnable there (one line each
     way, before anything is built), unless the jobs run elsewhere (Ray checks its cluster's)."""
     if plan.model.device.startswith("cuda") and plan.execution.executor != "ray":
-        from variantbench.devices import check_variant, device_info
+        from variantbench.device_probe import device_info
+        from variantbench.devices import check_variant
 
         device = device_info(plan.model.device)
         for name, spec in specs.items():
