@@ -133,6 +133,15 @@ def main() -> None:
     parser.add_argument("--variants", default="fp32,bf16,smooth+int8:act=token",
                         help="variants measured against their own roofline (first: the baseline)")  # fmt: skip
     args = parser.parse_args()
+    # every torch call of this benchmark on the one compute thread, as a run makes them: a probe or a
+    # model built on the main thread opens a second OpenMP pool, and the engine's every parallel
+    # region then pays a wake-up (3x the fixed cost per token, variantbench/compute.py)
+    from variantbench import compute
+
+    compute.call(run, args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -94,6 +94,15 @@ def main() -> None:
     parser.add_argument("--pairs", default=PAIRS, help=f"OURS=LLAMA_CPP, comma-separated (default: {PAIRS})")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    # every torch call of this benchmark on the one compute thread, as a run makes them: a probe or a
+    # model built on the main thread opens a second OpenMP pool, and the engine's every parallel
+    # region then pays a wake-up (3x the fixed cost per token, variantbench/compute.py)
+    from variantbench import compute
+
+    compute.call(run, args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     import torch
     from transformers import AutoTokenizer
