@@ -31,6 +31,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from variantbench.backends import bf16_kernel
+
 # Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
 # of long prompts) the library's own multi-threaded GEMM wins.
 SPLIT_K_MAX_ROWS = 32
@@ -76,7 +78,9 @@ class _DenseT:
     ``bmm(x split in P chunks of K, Wt) .sum(0)`` puts every core on its own slice of the weights:
     measured here 23.7 GB/s against 16.2 GB/s for ``x @ Wt`` at one row, and faster up to 32 rows.
     bf16/fp16: the row-major ``[N, K]`` weight through ``F.linear`` (oneDNN's reduced-precision
-    kernels are multi-threaded; ``x @ Wt`` in bf16 falls to a slow reference path).
+    kernels are multi-threaded; ``x @ Wt`` in bf16 falls to a slow reference path), and a bf16 decode
+    step's rows through our kernel where it timed faster for the shape (``bf16_kernel.py``: oneDNN
+    read bf16 weights at 27% of the bandwidth at one row, and bf16 decoded at 0.94x fp32's).
 
     fp32 at 2 rows or more (a batched decode step, a prefill): MKL's GEMM repacks the weights on
     every call, so 4 rows cost 4-6x one row and batching gained nothing. A oneDNN copy of the
@@ -101,6 +105,8 @@ class _DenseT:
             self.pack = on_cpu and self.transposed and torch.backends.mkldnn.is_available()
             # reduced precision with no instructions for it: prompt rows computed in fp32 (upcast_rows)
             self.upcast_rows = None if not on_cpu or native_on_cpu(weight.dtype) else UPCAST_MIN_ROWS
+            # bf16 at a decode step's rows: our kernel where it beats oneDNN (bf16_kernel.py)
+            self.bf16_kernel = on_cpu and not self.transposed and bf16_kernel.usable(weight)
             self.packed: torch.Tensor | None = None  # the oneDNN copy
             self.weight: torch.Tensor | None = None  # the plain copy (x @ weight, split-K, lookups)
             self.weight_split: torch.Tensor | None = None
@@ -146,6 +152,17 @@ class _DenseT:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if not self.transposed:
+            if (
+                self.bf16_kernel
+                and rows <= bf16_kernel.MAX_ROWS
+                and self.weight is not None
+                and not torch.compiler.is_compiling()
+                and bf16_kernel.choice(self.weight, self.bias, rows) == "kernel"
+            ):
+                run, _ = bf16_kernel.kernel()
+                assert run is not None
+                out = run(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+                return out.view(*x.shape[:-1], self.out_features)
             if self.upcast_rows is not None and rows >= self.upcast_rows and self.weight is not None:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any
 
+from variantbench.backends import bf16_kernel
 from variantbench.backends.base import Encoded, GenerationRequest, GenerationResult, LoadInfo, encode_request
 from variantbench.compute import on_compute
 from variantbench.errors import UserError
@@ -219,13 +220,15 @@ class TorchBackend:
 
     def info(self) -> dict[str, Any]:
         out = dict(self._info) if self._info else {"backend": "torch", "variant": self.name}
-        int8 = sys.modules.get("variantbench.variants.int8")  # the kernels its products chose, once run
-        if (
-            int8 is not None
-            and "int8" in str(self._info.get("weight_format", ""))
-            and (summary := int8.kernel_summary())
-        ):
-            out["kernels"] = summary
+        # the kernels this process's products chose at a decode step's rows, once run
+        fmt = str(self._info.get("weight_format", ""))
+        int8 = sys.modules.get("variantbench.variants.int8")
+        chosen = [
+            int8.kernel_summary() if int8 is not None and "int8" in fmt else None,
+            bf16_kernel.summary() if "bfloat16" in fmt else None,
+        ]
+        if any(chosen):
+            out["kernels"] = "; ".join(c for c in chosen if c)
         return out
 
     @on_compute

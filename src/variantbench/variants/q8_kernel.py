@@ -9,8 +9,8 @@ as ``int8`` stores them, read once for all the rows. ``benchmarks/q8_gemv.py``: 
 FBGEMM's 174.1 us for a 3072x576 product at one row (19.3 against 10.2 GB/s), relative error 1.1%.
 
 Weights are kept in [-127, 127] (a -128 would wrap when negated by the sign trick).
-It is compiled on first use (``cc -O3 -mavx2 -mfma -fopenmp``, under a second) into the cache,
-keyed by the source's hash, and called through ctypes on the tensors' memory. Where the CPU lacks
+It is compiled on first use (``cc -O3 -mavx2 -mfma -fopenmp``, ``variantbench.native``) and called
+through ctypes on the tensors' memory. Where the CPU lacks
 AVX2 or there is no C compiler, ``kernel()`` is None with the reason, and ``int8`` keeps FBGEMM.
 Prompts (more than ``MAX_ROWS`` rows) stay on FBGEMM, whose GEMM is the faster there: 512 rows of a
 3072x576 product took 9.2 ms in FBGEMM against 12-16 ms in this kernel's 8-row blocks. So the kernel
@@ -22,12 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-from pathlib import Path
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
@@ -100,29 +94,13 @@ class Kernel:
 @functools.cache
 def kernel() -> tuple[Kernel | None, str]:
     """(the kernel, how it was had) or (None, why not): compiled once per source and flags, cached."""
+    from variantbench import native
     from variantbench.environment import cpu_flags
-    from variantbench.paths import cache_root
 
-    if os.environ.get("VARIANTBENCH_Q8_KERNEL", "1") == "0":
-        return None, "off (VARIANTBENCH_Q8_KERNEL=0)"
+    off = native.disabled("VARIANTBENCH_Q8_KERNEL")
+    if off:
+        return None, off
     if "avx2" not in cpu_flags():
         return None, "this CPU has no AVX2"
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"q8-{key}.so"
-    if not target.exists():
-        cc = shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            return None, "no C compiler (cc) to build it"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "q8.c", Path(tmp) / "q8.so"
-            src.write_text(SOURCE)
-            done = subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                                  check=False)  # fmt: skip
-            if done.returncode != 0:
-                return None, f"the compiler failed: {(done.stderr.strip().splitlines() or ['?'])[0][:160]}"
-            os.replace(out, target)  # atomic: a concurrent build leaves one whole file
-    try:
-        return Kernel(ctypes.CDLL(str(target))), f"AVX2 q8 kernel ({target.name})"
-    except OSError as exc:
-        return None, f"could not load it: {exc}"
+    lib, how = native.build("q8", SOURCE, FLAGS)
+    return (Kernel(lib), f"AVX2 q8 kernel ({how})") if lib is not None else (None, how)

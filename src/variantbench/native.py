@@ -1,0 +1,55 @@
+"""Small C kernels the engine compiles on first use, where torch has no fast one (issue 42).
+
+A kernel is one C source and its compiler flags; it is built once (``cc``, under a second) into the
+cache, keyed by the hash of both, and loaded with ctypes. The build writes to a temporary file and
+renames it, so two processes building at once leave one whole library. The OpenMP it links is the
+libgomp torch already loaded (same soname): its parallel loops share torch's one thread pool on the
+compute thread (``variantbench.compute``), where a second pool would throttle both.
+
+``VARIANTBENCH_NATIVE_KERNELS=0`` turns every kernel off (the engine then keeps torch's products);
+where the CPU lacks the instructions a kernel needs or there is no C compiler, the kernel is None
+with the reason, said in the variant's info.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from pathlib import Path
+import shutil
+import subprocess
+import tempfile
+
+
+def disabled(switch: str) -> str | None:
+    """Why kernels are off by the environment (``switch`` or the global one), or None."""
+    for name in ("VARIANTBENCH_NATIVE_KERNELS", switch):
+        if os.environ.get(name, "1") == "0":
+            return f"off ({name}=0)"
+    return None
+
+
+def build(name: str, source: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, its file name) or (None, why not): compiled once per source and flags."""
+    from variantbench.paths import cache_root
+
+    key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{name}-{key}.so"
+    if not target.exists():
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            return None, "no C compiler (cc) to build it"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            done = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True,
+                                  check=False)  # fmt: skip
+            if done.returncode != 0:
+                return None, f"the compiler failed: {(done.stderr.strip().splitlines() or ['?'])[0][:160]}"
+            os.replace(out, target)  # atomic: a concurrent build leaves one whole file
+    try:
+        return ctypes.CDLL(str(target)), target.name
+    except OSError as exc:
+        return None, f"could not load it: {exc}"
