@@ -4,7 +4,9 @@
 
 Measures, on this machine and in this process:
   (a) the CPU (its flags: AVX2, AVX-512, AVX-512 BF16/VNNI, AMX) and its memory read bandwidth: the
-      best of several full reads of a 1 GiB buffer written first;
+      best of several full reads of a 1 GiB buffer written first, probed again before every repeat
+      (this host's bandwidth moved from 33 to 62 GB/s between runs of an hour: a share of the
+      roofline is each repeat's rate over that repeat's own probe, and the median is kept);
   (b) per variant, through the same backend a run uses: decode tokens/s at batch 1 (64 new tokens;
       first token to last), the bytes of weights it reads per token, and its roofline (bandwidth /
       those bytes: every weight once; a tied embedding counts once, as the output projection, and an
@@ -38,7 +40,8 @@ PROMPTS = [
 
 
 def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: int, flags: list[str]) -> None:  # noqa: ANN001
-    """(b): each variant's decode at batch 1 beside its own roofline, interleaved, medians kept."""
+    """(b): each variant's decode at batch 1 beside its own roofline, interleaved, medians kept; the
+    bandwidth probed before every repeat, each repeat's share against its own probe."""
     import statistics
 
     from variantbench.analysis.diagnosis import decode_rate
@@ -50,7 +53,9 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
     # beside the others'). Loaded again for every repeat (the builds are cached), interleaved.
     info: dict[str, Any] = {}
     rates: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(repeats):
+    probes: list[float] = []
+    for r in range(repeats):
+        probes.append(bandwidth if r == 0 else memory_bandwidth_gbs())
         for name in names:
             backend = make_backend(VariantSpec.parse(name), None, str(folder))
             backend.status = lambda _m: None
@@ -61,17 +66,22 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
             backend.close()
             gc.collect()
     base = statistics.median(rates[names[0]])
-    print(f"(b) decode at batch 1, {new} new tokens, median of {repeats} interleaved repeats:")
+    print(f"(b) decode at batch 1, {new} new tokens, median of {repeats} interleaved repeats; bandwidth probed "
+          f"before each: {', '.join(f'{b:.1f}' for b in probes)} GB/s")  # fmt: skip
     print(
-        f"    {'variant':26s} {'weights MB':>10} {'tokens/s':>9} {'roofline':>9} {'share':>6} {'vs ' + names[0]:>8}  engine"
+        f"    {'variant':26s} {'weights MB':>10} {'tokens/s':>9} {'roofline':>9} {'share':>6} {'shares':>11} "
+        f"{'vs ' + names[0]:>8}  engine"
     )
     for name in names:
         rate = statistics.median(rates[name])
         weights = info[name].details.get("streamed_bytes") or info[name].param_bytes
-        roof = bandwidth * 1e9 / weights
+        roof = statistics.median(probes) * 1e9 / weights
+        shares = [x / (b * 1e9 / weights) for x, b in zip(rates[name], probes, strict=True)]
+        spread = f"{min(shares):.0%}-{max(shares):.0%}"
         kernel = info[name].details.get("kernels") or info[name].details.get("engine") or ""
         print(
-            f"    {name:26s} {weights / 1e6:10.0f} {rate:9.1f} {roof:9.1f} {rate / roof:6.0%} {rate / base:7.2f}x  {kernel}"
+            f"    {name:26s} {weights / 1e6:10.0f} {rate:9.1f} {roof:9.1f} {statistics.median(shares):6.0%} {spread:>11} "
+            f"{rate / base:7.2f}x  {kernel}"
         )
     fixed_cost(folder, names, new)
     has_bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
