@@ -30,6 +30,14 @@ def disabled(switch: str) -> str | None:
     return None
 
 
+def vector_flags() -> tuple[str, ...]:
+    """The flags for plain C loops the compiler vectorizes: AVX2 and FMA where the CPU has them (every
+    host class we get), else the compiler's x86-64 baseline (SSE2)."""
+    from variantbench.environment import cpu_flags
+
+    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(cpu_flags()) else ()
+
+
 def build(name: str, source: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, its file name) or (None, why not): compiled once per source and flags."""
     from variantbench.paths import cache_root

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from variantbench.backends import bf16_kernel, norm_kernel
+from variantbench.backends import attention_kernel, bf16_kernel, norm_kernel
 
 # Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
 # of long prompts) the library's own multi-threaded GEMM wins.
@@ -555,6 +555,8 @@ class Decoder:
         self.decode_mode = "eager"
         self._graphs: Any = None
         self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
+        # a decode step's attention in one C call on the CPU (attention_kernel.py)
+        self._attn_kernel = attention_kernel.kernel()[0] if self.device.type == "cpu" else None
 
     def _layer(self, index: int, block: nn.Module) -> _Layer:
         family, config = self.family, self.config
@@ -790,28 +792,45 @@ class Decoder:
             spec = layer.attention
             if not spec.plain and q_index is None:
                 q_index = slot if slot is not None else torch.arange(start, end, device=x.device)
-            if seq == 1 and nq != nkv:
-                # Decode with grouped-query attention: the G query heads of a group become G query
-                # rows against their one shared KV head, so the cache is never expanded (copied)
-                # to Hq heads; the (key-only) mask broadcasts over the rows.
-                grouped = q.reshape(bsz, nkv, nq // nkv, d)
-                if spec.plain:  # SDPA inline: a call here is a frame of its own under torch.compile,
-                    # and its guards recompiled the compiled step at a new batch size
-                    attn = F.scaled_dot_product_attention(
-                        grouped, keys, values, attn_mask=attn_mask, scale=spec.scale
-                    )
+            attn = self._kernel_attention(q, keys, values, spec) if seq == 1 and attn_mask is None else None
+            if attn is None:
+                if seq == 1 and nq != nkv:
+                    # Decode with grouped-query attention: the G query heads of a group become G query
+                    # rows against their one shared KV head, so the cache is never expanded (copied)
+                    # to Hq heads; the (key-only) mask broadcasts over the rows.
+                    grouped = q.reshape(bsz, nkv, nq // nkv, d)
+                    if spec.plain:  # SDPA inline: a call here is a frame of its own under torch.compile,
+                        # and its guards recompiled the compiled step at a new batch size
+                        attn = F.scaled_dot_product_attention(
+                            grouped, keys, values, attn_mask=attn_mask, scale=spec.scale
+                        )
+                    else:
+                        attn = attend(grouped, keys, values, spec, mask=attn_mask, q_index=q_index)
+                    attn = attn.reshape(bsz, nq, 1, d)
+                elif spec.plain:
+                    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=is_causal,
+                                                          scale=spec.scale, enable_gqa=nq != nkv)  # fmt: skip
                 else:
-                    attn = attend(grouped, keys, values, spec, mask=attn_mask, q_index=q_index)
-                attn = attn.reshape(bsz, nq, 1, d)
-            elif spec.plain:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, is_causal=is_causal,
-                                                      scale=spec.scale, enable_gqa=nq != nkv)  # fmt: skip
-            else:
-                attn = attend(q, keys, values, spec, mask=attn_mask, causal=is_causal, q_index=q_index,
-                              enable_gqa=nq != nkv)  # fmt: skip
+                    attn = attend(q, keys, values, spec, mask=attn_mask, causal=is_causal, q_index=q_index,
+                                  enable_gqa=nq != nkv)  # fmt: skip
             x = self._residual(x, layer.o(attn.transpose(1, 2).reshape(bsz, seq, nq * d)), layer.attn_out)
             x = self._mlp(layer, x)
         return x
+
+    def _kernel_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor | None:
+        """One new query a row [B, Hq, 1, D] over unmasked ``keys``/``values`` [B, Hkv, T, D] through
+        the C kernel (its G = Hq / Hkv grouped heads against their one KV head), or None where it does
+        not apply: a soft-capped or windowed layer, another device or dtype, a compiled step."""
+        if self._attn_kernel is None or not spec.plain or torch.compiler.is_compiling():
+            return None
+        bsz, nq, _, d = q.shape
+        grouped = q.reshape(bsz, keys.shape[1], nq // keys.shape[1], d).contiguous()
+        if not attention_kernel.usable(grouped, keys, values):
+            return None
+        scale = spec.scale if spec.scale is not None else d**-0.5
+        return self._attn_kernel(grouped, keys, values, scale).view(bsz, nq, 1, d)
 
     def _linear_attention(
         self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearState,

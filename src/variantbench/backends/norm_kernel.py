@@ -106,7 +106,7 @@ def kernel() -> tuple[Kernel | None, str]:
     off = native.disabled("VARIANTBENCH_NORM_KERNEL")
     if off:
         return None, off
-    lib, how = native.build("rmsnorm", SOURCE, FLAGS)
+    lib, how = native.build("rmsnorm", SOURCE, FLAGS + native.vector_flags())
     return (Kernel(lib), f"rmsnorm kernel ({how})") if lib is not None else (None, how)
 
 
