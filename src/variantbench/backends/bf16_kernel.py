@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
+
+from variantbench import native
 
 MAX_ROWS = 8  # a decode step's batch; more rows (a prompt) stay on oneDNN's GEMM
 
@@ -144,7 +145,6 @@ class Kernel:
 @functools.cache
 def kernel() -> tuple[Kernel | None, str]:
     """(the kernel, how it was had) or (None, why not): the widest build this CPU runs, compiled once."""
-    from variantbench import native
     from variantbench.environment import cpu_flags
 
     off = native.disabled("VARIANTBENCH_BF16_KERNEL")
@@ -176,20 +176,12 @@ def usable(weight: torch.Tensor) -> bool:
     )
 
 
-def _best(fn: object) -> float:
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
-
-
 def choice(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
     """The faster of the kernel and ``F.linear`` for ``rows`` rows (<= MAX_ROWS) of ``weight``'s shape.
 
     Timed once per shape and process, at one row and at ``MAX_ROWS`` (the best of 5 calls after a warm
-    one each); two to ``MAX_ROWS`` rows take the latter's winner. The kernel's margin shrinks with the
+    one each, the weights out of cache: ``native.best_cold``); two to ``MAX_ROWS`` rows take the
+    latter's winner. The kernel's margin shrinks with the
     rows (on AVX-512 BF16, 4.9x oneDNN at one row of a 960x576 product, 2.0x at 8; its AVX2 build,
     2.7x and 0.8x against oneDNN's AVX-512 BF16 kernels there), so a shape may keep both."""
     key = (int(weight.shape[0]), int(weight.shape[1]))
@@ -202,8 +194,8 @@ def choice(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> str:
             with torch.inference_mode():
                 for n in (1, MAX_ROWS):
                     x = torch.randn(n, key[1]).to(torch.bfloat16)
-                    ours = _best(lambda x=x: run(x, weight, bias))
-                    onednn = _best(lambda x=x: F.linear(x, weight, bias))
+                    ours = native.best_cold(lambda x=x: run(x, weight, bias))
+                    onednn = native.best_cold(lambda x=x: F.linear(x, weight, bias))
                     picks.append("kernel" if ours < onednn else "onednn")
             CHOICES[key] = (picks[0], picks[1])
     return CHOICES[key][0 if rows == 1 else 1]

@@ -180,30 +180,21 @@ def q8_weights(module: Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q8_choice(module: Int8Linear) -> str:
     """The faster of the q8 kernel and FBGEMM for one row of ``module``'s shape, measured once per shape
-    and process (5 calls each after a warm one, weights in cache: the kernel's margin grows when they
-    stream from memory); "fbgemm" where the kernel is unavailable or K is not a multiple of 32."""
+    and process (5 calls each after a warm one, the weights out of cache as a decode step meets them:
+    ``native.best_cold``); "fbgemm" where the kernel is unavailable or K is not a multiple of 32."""
     key = (module.out_features, module.in_features)
     if key not in Q8_CHOICES:
         run, _ = q8_kernel.kernel()
         if run is None or module.in_features % 32:
             Q8_CHOICES[key] = "fbgemm"
             return Q8_CHOICES[key]
-        import time
+        from variantbench import native
 
         x = torch.randn(1, module.in_features)
         ints, scales = q8_weights(module)
-
-        def best(fn: object) -> float:
-            times = []
-            for _ in range(6):
-                t0 = time.perf_counter()
-                fn()  # type: ignore[operator]
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])
-
         with torch.inference_mode():
-            q8 = best(lambda: run(x, ints, scales))
-            fbgemm = best(lambda: module.inner(x))
+            q8 = native.best_cold(lambda: run(x, ints, scales))
+            fbgemm = native.best_cold(lambda: module.inner(x))
         Q8_CHOICES[key] = "q8" if q8 < fbgemm else "fbgemm"
     return Q8_CHOICES[key]
 
