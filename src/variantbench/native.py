@@ -29,6 +29,32 @@ from typing import Any
 EVICT_BYTES = 64 << 20
 
 
+# What the kernels' C sources share: bf16 <-> float32, rounding to nearest even as torch does (a NaN
+# stays a NaN), and a float32 dot product in 8 partial sums (a loop the compiler vectorizes without
+# reordering one sum)
+HELPERS_C = r"""
+#include <stdint.h>
+#include <string.h>
+static inline uint16_t to_bf16(float f) {
+  uint32_t b; memcpy(&b, &f, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return (uint16_t)(b >> 16);
+}
+static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+static inline float dot(const float* a, const float* b, int d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+  float s = 0;
+  for (; i < d; i++) s += a[i] * b[i];
+  for (int j = 0; j < 8; j++) s += acc[j];
+  return s;
+}
+"""
+
+
 def disabled(switch: str) -> str | None:
     """Why kernels are off by the environment (``switch`` or the global one), or None."""
     for name in ("VARIANTBENCH_NATIVE_KERNELS", switch):
@@ -43,6 +69,12 @@ def vector_flags() -> tuple[str, ...]:
     from variantbench.environment import cpu_flags
 
     return ("-mavx2", "-mfma") if {"avx2", "fma"} <= set(cpu_flags()) else ()
+
+
+def load(name: str, source: str, flags: tuple[str, ...], switch: str) -> tuple[ctypes.CDLL | None, str]:
+    """The kernel's library, built once (``build``), unless the environment turns it off (``switch``)."""
+    off = disabled(switch)
+    return (None, off) if off else build(name, source, flags)
 
 
 def build(name: str, source: str, flags: tuple[str, ...]) -> tuple[ctypes.CDLL | None, str]:

@@ -20,17 +20,14 @@ import functools
 
 import torch
 
-SOURCE = r"""
+from variantbench import native
+
+SOURCE = (
+    native.HELPERS_C
+    + r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
-static inline uint16_t to_bf16(float f) {
-  uint32_t b; memcpy(&b, &f, 4);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return (uint16_t)(b >> 16);
-}
 /* exp(x) for x <= 0 (scores less their maximum): 2^n * 2^f, f in [-1/2, 1/2], Cephes' exp2f polynomial */
 static inline float exp_le0(float x) {
   x = x < -87.f ? -87.f : x;
@@ -47,16 +44,6 @@ static inline float exp_le0(float x) {
   int32_t e = ((int32_t)n + 127) << 23;
   float s; memcpy(&s, &e, 4);
   return p * s;
-}
-static inline float dot(const float* a, const float* b, int d) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-  float s = 0;
-  for (; i < d; i++) s += a[i] * b[i];
-  for (int j = 0; j < 8; j++) s += acc[j];
-  return s;
 }
 /* q [B, H, G, D] contiguous; k, v: element (b, h, t, :) at b * sb + h * sh + t * D; out like q.
    bf16 != 0: q, k, v, out hold bf16. scratch: B * H * (G * T + (G + 2) * D) floats. */
@@ -117,6 +104,7 @@ void attn_decode(const void* q, const void* k, const void* v, void* out, int B, 
     }
 }
 """
+)
 FLAGS = (
     "-O3",
     "-fno-trapping-math",
@@ -151,12 +139,10 @@ class Kernel:
 @functools.cache
 def kernel() -> tuple[Kernel | None, str]:
     """(the kernel, how it was had) or (None, why not): compiled once, cached."""
-    from variantbench import native
 
-    off = native.disabled("VARIANTBENCH_ATTENTION_KERNEL")
-    if off:
-        return None, off
-    lib, how = native.build("attention", SOURCE, FLAGS + native.vector_flags())
+    lib, how = native.load(
+        "attention", SOURCE, FLAGS + native.vector_flags(), "VARIANTBENCH_ATTENTION_KERNEL"
+    )
     return (Kernel(lib), f"decode attention kernel ({how})") if lib is not None else (None, how)
 
 

@@ -30,17 +30,12 @@ from variantbench import native
 
 MAX_ROWS = 8  # a decode step's batch; more rows (a prompt) stay on oneDNN's GEMM
 
-SOURCE = r"""
+SOURCE = (
+    native.HELPERS_C
+    + r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-static inline uint16_t to_bf16(float f) {
-  uint32_t b; memcpy(&b, &f, 4);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  /* NaN stays NaN */
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return (uint16_t)(b >> 16);
-}
-static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 #ifndef __AVX512BF16__
 static inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -115,6 +110,7 @@ void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* W, const uint16_
 #endif
 }
 """
+)
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 AVX512_BF16 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 AVX2 = ("-mavx2", "-mfma")
@@ -147,9 +143,6 @@ def kernel() -> tuple[Kernel | None, str]:
     """(the kernel, how it was had) or (None, why not): the widest build this CPU runs, compiled once."""
     from variantbench.environment import cpu_flags
 
-    off = native.disabled("VARIANTBENCH_BF16_KERNEL")
-    if off:
-        return None, off
     flags = cpu_flags()
     if "avx512_bf16" in flags:
         isa, extra = "AVX-512 BF16", AVX512_BF16
@@ -157,7 +150,7 @@ def kernel() -> tuple[Kernel | None, str]:
         isa, extra = "AVX2", AVX2
     else:
         return None, "this CPU has neither AVX-512 BF16 nor AVX2"
-    lib, how = native.build("bf16", SOURCE, BASE_FLAGS + extra)
+    lib, how = native.load("bf16", SOURCE, BASE_FLAGS + extra, "VARIANTBENCH_BF16_KERNEL")
     return (Kernel(lib, isa), f"{isa} bf16 kernel ({how})") if lib is not None else (None, how)
 
 

@@ -250,6 +250,10 @@ class Norm:
             and norm_kernel.applies(x := x.contiguous(), self.weight, self.upcast)
         ):
             return self.kernel(x, self.weight, self.eps, self.upcast)
+        return self.torch_ops(x)
+
+    def torch_ops(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch's ops (on CUDA, in a compiled step, and where the kernel is not built)."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)

@@ -23,27 +23,15 @@ import functools
 
 import torch
 
-SOURCE = r"""
+from variantbench import native
+
+SOURCE = (
+    native.HELPERS_C
+    + r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-static inline uint16_t to_bf16(float f) {
-  uint32_t b; memcpy(&b, &f, 4);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return (uint16_t)(b >> 16);
-}
-static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
-static inline float inv_rms(const float* v, int d, float eps) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int j = 0; j < 8; j++) acc[j] += v[i + j] * v[i + j];
-  float s = 0;
-  for (; i < d; i++) s += v[i] * v[i];
-  for (int j = 0; j < 8; j++) s += acc[j];
-  return 1.f / sqrtf(s / (float)d + eps);
-}
+static inline float inv_rms(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
 void rms_f32(const float* x, const float* w, float* y, int rows, int d, float eps) {
   for (int r = 0; r < rows; r++) {
     const float* a = x + (long)r * d;
@@ -70,6 +58,7 @@ void rms_bf16(const uint16_t* x, const void* w, uint16_t* y, int rows, int d, fl
   }
 }
 """
+)
 FLAGS = ("-O3", "-shared", "-fPIC")
 
 
@@ -101,12 +90,8 @@ class Kernel:
 @functools.cache
 def kernel() -> tuple[Kernel | None, str]:
     """(the kernel, how it was had) or (None, why not): compiled once, cached."""
-    from variantbench import native
 
-    off = native.disabled("VARIANTBENCH_NORM_KERNEL")
-    if off:
-        return None, off
-    lib, how = native.build("rmsnorm", SOURCE, FLAGS + native.vector_flags())
+    lib, how = native.load("rmsnorm", SOURCE, FLAGS + native.vector_flags(), "VARIANTBENCH_NORM_KERNEL")
     return (Kernel(lib), f"rmsnorm kernel ({how})") if lib is not None else (None, how)
 
 

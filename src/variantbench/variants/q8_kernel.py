@@ -97,10 +97,7 @@ def kernel() -> tuple[Kernel | None, str]:
     from variantbench import native
     from variantbench.environment import cpu_flags
 
-    off = native.disabled("VARIANTBENCH_Q8_KERNEL")
-    if off:
-        return None, off
     if "avx2" not in cpu_flags():
         return None, "this CPU has no AVX2"
-    lib, how = native.build("q8", SOURCE, FLAGS)
+    lib, how = native.load("q8", SOURCE, FLAGS, "VARIANTBENCH_Q8_KERNEL")
     return (Kernel(lib), f"AVX2 q8 kernel ({how})") if lib is not None else (None, how)
