@@ -14,6 +14,7 @@ with the reason, said in the variant's info.
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -53,6 +54,18 @@ static inline float dot(const float* a, const float* b, int d) {
   return s;
 }
 """
+
+
+def labelled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range named ``name`` while torch's profiler runs, else nothing: a ctypes call is no
+    torch operator, so without it the diagnosis would count a kernel's time as Python between
+    operators. Named so ``analysis.diagnosis.family_of`` files it (``*_gemm`` matmul, ``rms_norm*``
+    norm, ``*attention*`` attention)."""
+    import torch
+
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def disabled(switch: str) -> str | None:

@@ -131,8 +131,9 @@ class Kernel:
         n = keys.shape[2]
         out = torch.empty_like(q)
         scratch = torch.empty(bsz * heads * (group * n + (group + 2) * d))
-        self.fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), bsz, heads, group, d, n,
-                keys.stride(0), keys.stride(1), scale, int(q.dtype == torch.bfloat16), scratch.data_ptr())  # fmt: skip
+        with native.labelled("attention_kernel"):
+            self.fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), bsz, heads, group, d, n,
+                    keys.stride(0), keys.stride(1), scale, int(q.dtype == torch.bfloat16), scratch.data_ptr())  # fmt: skip
         return out
 
 

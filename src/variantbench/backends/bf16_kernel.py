@@ -133,8 +133,9 @@ class Kernel:
         n = weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         scratch = torch.empty(rows * k) if self.isa == "AVX2" else None
-        self.fn(x.data_ptr(), rows, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                n, None if scratch is None else scratch.data_ptr())  # fmt: skip
+        with native.labelled("bf16_gemm"):
+            self.fn(x.data_ptr(), rows, k, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                    y.data_ptr(), n, None if scratch is None else scratch.data_ptr())  # fmt: skip
         return y
 
 

@@ -77,6 +77,12 @@ class Kernel:
         d = x.shape[-1]
         rows = x.numel() // d
         y = torch.empty_like(x)
+        with native.labelled("rms_norm_kernel"):
+            self._run(x, weight, y, rows, d, eps, upcast)
+        return y
+
+    def _run(self, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, rows: int, d: int, eps: float,
+             upcast: bool) -> None:  # fmt: skip
         if x.dtype == torch.float32:
             self.f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, d, eps)
         else:
@@ -84,7 +90,6 @@ class Kernel:
             self.bf16(
                 x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, d, eps, int(upcast), scratch.data_ptr()
             )
-        return y
 
 
 @functools.cache

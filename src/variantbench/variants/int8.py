@@ -26,14 +26,13 @@ float32. The embedding table stays float32; a tied output projection gets its ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, ClassVar, Literal
 import warnings
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
+from variantbench import native
 from variantbench.devices import DeviceNeed
 from variantbench.variants import q8_kernel
 from variantbench.variants.base import Recipe, keyword_args, register
@@ -138,9 +137,7 @@ class Int8Linear(nn.Module):
         if rows <= (q8_kernel.MAX_ROWS if self.per_token else 1) and (q8 := self._q8_path()) is not None:
             run, _ = q8_kernel.kernel()
             assert run is not None
-            with (
-                record_function("q8_gemm") if torch.autograd.profiler._is_profiler_enabled else nullcontext()
-            ):
+            with native.labelled("q8_gemm"):
                 y = run(x.reshape(rows, self.in_features).float().contiguous(), q8[0], q8[1])
             y = y.view(*x.shape[:-1], self.out_features)
             return y if q8[2] is None else y.add_(q8[2])
@@ -153,11 +150,7 @@ class Int8Linear(nn.Module):
             y = self.inner(x)
             return y if self.bias is None else y.add_(self.bias)
         # labelled for the diagnosis (quantize/dequantize family) only while a profiler runs
-        label = (
-            record_function("quantize_per_token")
-            if torch.autograd.profiler._is_profiler_enabled
-            else nullcontext()
-        )
+        label = native.labelled("quantize_per_token")
         with label:
             scale = x.abs().amax(-1, keepdim=True).clamp_(min=1e-12)
             scaled = x / scale
@@ -188,7 +181,6 @@ def q8_choice(module: Int8Linear) -> str:
         if run is None or module.in_features % 32:
             Q8_CHOICES[key] = "fbgemm"
             return Q8_CHOICES[key]
-        from variantbench import native
 
         x = torch.randn(1, module.in_features)
         ints, scales = q8_weights(module)
