@@ -25,6 +25,7 @@ def _queries(folder: Path) -> list[dict]:
     )
 
 
+@pytest.mark.slow  # 18 s, two whole runs: run by .ci/run's slow pass (room for the engine kernels' tests)
 def test_a_run_replays_from_its_plan_yaml_with_the_same_samples_and_schedule(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -122,6 +123,7 @@ def test_jobs_pickle_whole_for_another_process_or_machine(tiny_model_dir: Path) 
     assert [r.kind for r in pickle.loads(pickle.dumps(spec)).recipes] == ["prune-heads", "int8"]
 
 
+@pytest.mark.slow  # 14 s, a find-peak search: run by .ci/run's slow pass (room for the engine kernels' tests)
 def test_a_find_peak_run_is_rebuilt_from_its_raw_data_and_log(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "peak"
     proc = _cli(
