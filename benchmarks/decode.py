@@ -62,7 +62,10 @@ def per_variant(folder, names: list[str], bandwidth: float, repeats: int, new: i
             info[name] = backend.load()
             decode_rate(backend, 1, new=8)  # warm
             rates[name].append(decode_rate(backend, 1, new=new))
-            info[name].details["kernels"] = backend.info().get("kernels")
+            now = backend.info()
+            info[name].details["kernels"] = "; ".join(
+                str(now[k]) for k in ("decode_step", "kernels") if now.get(k) and "operator by operator" not in str(now[k])
+            )
             backend.close()
             gc.collect()
     base = statistics.median(rates[names[0]])

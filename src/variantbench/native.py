@@ -31,8 +31,8 @@ EVICT_BYTES = 64 << 20
 
 
 # What the kernels' C sources share: bf16 <-> float32, rounding to nearest even as torch does (a NaN
-# stays a NaN), and a float32 dot product in 8 partial sums (a loop the compiler vectorizes without
-# reordering one sum)
+# stays a NaN), a float32 dot product in 8 partial sums (a loop the compiler vectorizes without
+# reordering one sum), and a softmax's exponentials (a polynomial exp of the scores less their maximum)
 HELPERS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -43,6 +43,23 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)(b >> 16);
 }
 static inline float from_bf16(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+/* exp(x) for x <= 0 (scores less their maximum): 2^n * 2^f, f in [-1/2, 1/2], Cephes' exp2f polynomial */
+static inline float exp_le0(float x) {
+  x = x < -87.f ? -87.f : x;
+  float t = x * 1.44269504088896341f;
+  float n = (t + 12582912.f) - 12582912.f;  /* t rounded to the nearest integer (1.5 * 2^23 trick) */
+  float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float s; memcpy(&s, &e, 4);
+  return p * s;
+}
 static inline float dot(const float* a, const float* b, int d) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
@@ -52,6 +69,19 @@ static inline float dot(const float* a, const float* b, int d) {
   for (; i < d; i++) s += a[i] * b[i];
   for (int j = 0; j < 8; j++) s += acc[j];
   return s;
+}
+/* s[0..T) <- exp(s - max(s)); returns 1 / their sum */
+static inline float softmax_exp(float* s, int T) {
+  float m = s[0];
+  for (int t = 1; t < T; t++) m = s[t] > m ? s[t] : m;
+  for (int t = 0; t < T; t++) s[t] = exp_le0(s[t] - m);
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0;
+  int t = 0;
+  for (; t + 8 <= T; t += 8)
+    for (int j = 0; j < 8; j++) part[j] += s[t + j];
+  for (; t < T; t++) sum += s[t];
+  for (int j = 0; j < 8; j++) sum += part[j];
+  return 1.f / sum;
 }
 """
 

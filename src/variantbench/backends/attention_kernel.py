@@ -28,23 +28,6 @@ SOURCE = (
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-/* exp(x) for x <= 0 (scores less their maximum): 2^n * 2^f, f in [-1/2, 1/2], Cephes' exp2f polynomial */
-static inline float exp_le0(float x) {
-  x = x < -87.f ? -87.f : x;
-  float t = x * 1.44269504088896341f;
-  float n = (t + 12582912.f) - 12582912.f;  /* t rounded to the nearest integer (1.5 * 2^23 trick) */
-  float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t e = ((int32_t)n + 127) << 23;
-  float s; memcpy(&s, &e, 4);
-  return p * s;
-}
 /* q [B, H, G, D] contiguous; k, v: element (b, h, t, :) at b * sb + h * sh + t * D; out like q.
    bf16 != 0: q, k, v, out hold bf16. scratch: B * H * (G * T + (G + 2) * D) floats. */
 void attn_decode(const void* q, const void* k, const void* v, void* out, int B, int H, int G, int D, int T,
@@ -73,16 +56,7 @@ void attn_decode(const void* q, const void* k, const void* v, void* out, int B, 
       }
       for (int g = 0; g < G; g++) {
         float* sg = s + (long)g * T;
-        float m = sg[0];
-        for (int t = 1; t < T; t++) m = sg[t] > m ? sg[t] : m;
-        for (int t = 0; t < T; t++) sg[t] = exp_le0(sg[t] - m);
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0;
-        int t = 0;
-        for (; t + 8 <= T; t += 8)
-          for (int j = 0; j < 8; j++) part[j] += sg[t + j];
-        for (; t < T; t++) sum += sg[t];
-        for (int j = 0; j < 8; j++) sum += part[j];
-        float inv = 1.f / sum;
+        float inv = softmax_exp(sg, T);
         for (int t = 0; t < T; t++) sg[t] *= inv;
       }
       for (int g = 0; g < G; g++) {

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from variantbench.backends import attention_kernel, bf16_kernel, norm_kernel
+from variantbench.backends import attention_kernel, bf16_kernel, fused_decode, norm_kernel
 
 # Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
 # of long prompts) the library's own multi-threaded GEMM wins.
@@ -561,6 +561,8 @@ class Decoder:
         self.profile_regions = False  # label prefill and decode steps for torch.profiler (diagnosis)
         # a decode step's attention in one C call on the CPU (attention_kernel.py)
         self._attn_kernel = attention_kernel.kernel()[0] if self.device.type == "cpu" else None
+        # a float32 batch-1 decode step in one C call for the whole stack (fused_decode.py)
+        self._fused, self.fused_how = fused_decode.plan(self)
 
     def _layer(self, index: int, block: nn.Module) -> _Layer:
         family, config = self.family, self.config
@@ -627,6 +629,7 @@ class Decoder:
         A compiled step keeps both: the packed op runs outside its graph, so every row would."""
         if self.compiled:
             return 0
+        self._fused, self.fused_how = None, "the plain weights were dropped (served with one copy)"
         freed = 0
         for layer in self.layers:
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):  # None in an MoE layer
@@ -885,6 +888,13 @@ class Decoder:
         return storage, states
 
     @property
+    def batch1_step(self) -> str:
+        """How a batch-1 decode step runs, for the variant's info."""
+        if self._fused is not None:
+            return f"one C call for the layer stack ({self.fused_how})"
+        return f"operator by operator ({self.fused_how})"
+
+    @property
     def has_linear_attention(self) -> bool:
         return len(self.softmax_layers) != len(self.layers)
 
@@ -958,7 +968,9 @@ class Decoder:
         return x if self.embed_scale is None else x * self.embed_scale
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.final_norm(hidden)).float()
+        return self._finish_logits(self.lm_head(self.final_norm(hidden)).float())
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.logit_divisor is not None:
             logits = logits / self.logit_divisor
         if self.final_softcap is not None:
@@ -990,6 +1002,21 @@ class Decoder:
                 slot += 1
         return views
 
+    def _fused_logits(self, x: torch.Tensor, storage: torch.Tensor, cur: int, positions: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """The logits [1, vocab] of one token ``x`` [1, 1, H] at slot ``cur`` through the fused C step
+        (``fused_decode.py``), or None where the step runs operator by operator: a batch, a mask, a
+        compiled step, or the diagnosis's profiler (it files time by operator family)."""
+        if (
+            self._fused is None
+            or x.shape[0] != 1
+            or mask is not None
+            or self.profile_regions
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return self._finish_logits(self._fused.step(x, storage, cur, int(positions.reshape(-1)[0])))
+
     def _decode_step(
         self,
         next_ids: torch.Tensor,
@@ -1002,6 +1029,9 @@ class Decoder:
     ) -> torch.Tensor:
         """One decode step for the batch: the previous tokens in, the next greedy tokens out."""
         x = self._embed(next_ids.unsqueeze(1))
+        fused = self._fused_logits(x, storage, cur, positions, mask)
+        if fused is not None:
+            return fused.argmax(-1)
         cache = self._cache_views(storage, states)
         hidden = self._forward(x, positions.unsqueeze(1), cache, cur, mask, False, rope)
         return self._logits(hidden[:, -1]).argmax(-1)
@@ -1097,7 +1127,12 @@ class Decoder:
         for i, token in enumerate(list(forced)[:-1]):
             at = len(prompt) + i
             x = self._embed(torch.tensor([[token]], device=self.device))
-            hidden = self._forward(x, torch.tensor([[at]], device=self.device), cache, at, None, False, rope)
+            position = torch.tensor([[at]], device=self.device)
+            fused = self._fused_logits(x, storage, at, position, None)
+            if fused is not None:
+                steps.append(fused[0])
+                continue
+            hidden = self._forward(x, position, cache, at, None, False, rope)
             steps.append(self._logits(hidden[0, -1]))
         return prefill, steps
 

@@ -229,6 +229,8 @@ class TorchBackend:
         ]
         if any(chosen):
             out["kernels"] = "; ".join(c for c in chosen if c)
+        if self._decoder is not None:
+            out["decode_step"] = self._decoder.batch1_step
         return out
 
     @on_compute

@@ -1,0 +1,98 @@
+"""The fused float32 decode step (issue 42): transformers' logits, the operator path's tokens, and the
+torch path wherever the kernel does not compute a model exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from variantbench.backends import fused_decode
+from variantbench.backends.engine import Decoder
+from variantbench.models.tiny import tiny_config, tiny_model
+
+VOCAB = 400
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    fn, how = fused_decode.kernel()
+    if fn is None:
+        pytest.skip(f"no fused decode kernel here: {how}")
+
+
+def _counted(dec: Decoder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = dec._fused.step  # type: ignore[union-attr]
+    monkeypatch.setattr(dec._fused, "step", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_qwen2_shaped_model_with_biases_decodes_as_transformers(
+    tie: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Biased QKV, grouped heads, tied or untied head: each fused step's logits within 1e-4 of
+    transformers' (teacher-forced), the greedy tokens equal, and the fused step really ran."""
+    model = tiny_model(tiny_config("qwen2", VOCAB, use_sliding_window=False, tie_word_embeddings=tie), seed=5)
+    dec = Decoder(model)
+    assert dec._fused is not None, dec.fused_how
+    assert any(layer.qkv.bias is not None for layer in dec.layers)  # type: ignore[attr-defined]
+    calls = _counted(dec, monkeypatch)
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             eos_token_id=None, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    want = out.sequences[0, len(prompt) :].tolist()
+    _, steps = dec.teacher_forced_logits(prompt, want)
+    diff = max((a - b).abs().max().item() for a, b in zip(steps[1:], out.logits[1:], strict=True))
+    assert diff < 1e-4
+    assert len(calls) == len(want) - 1
+    assert dec.generate([prompt], 12).token_ids[0] == want
+    assert "one C call" in dec.batch1_step
+
+
+def test_the_fused_and_operator_paths_agree_past_the_first_rope_table() -> None:
+    """A prompt that crosses the 256 positions the first rotary table holds: the tables grow and the
+    kernel is pointed at the new ones; the tokens equal the operator path's."""
+    model = tiny_model(tiny_config("llama", VOCAB), seed=2)
+    dec = Decoder(model)
+    prompt = [7 + (i * 13) % 350 for i in range(250)]
+    fused = dec.generate([prompt], 20).token_ids
+    dec._fused = None
+    assert dec.generate([prompt], 20).token_ids == fused
+
+
+def test_batches_masks_and_one_weight_copy_take_the_operator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(tiny_config("llama", VOCAB), seed=4)
+    dec = Decoder(model)
+    calls = _counted(dec, monkeypatch)
+    alone = [dec.generate([p], 8).token_ids[0] for p in ([5, 6, 7, 8], [9, 10])]
+    assert len(calls) == 14
+    assert dec.generate([[5, 6, 7, 8], [9, 10]], 8).token_ids == alone  # a padded batch: masked
+    assert len(calls) == 14
+    dec.drop_split_copies()  # a server's one packed copy: the kernel reads the plain one
+    assert dec._fused is None and "operator by operator" in dec.batch1_step
+    assert dec.generate([[5, 6, 7, 8]], 8).token_ids[0] == alone[0]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "why"),
+    [("gemma2", {}, "not SiLU"), ("qwen3", {}, "q/k norms"), ("phi3", {"sliding_window": None}, "partial"), ("granite", {}, "residual scale")],
+)  # fmt: skip
+def test_what_the_kernel_does_not_compute_stays_on_the_operator_path(
+    family: str, overrides: dict, why: str
+) -> None:
+    dec = Decoder(tiny_model(tiny_config(family, VOCAB, **overrides)))
+    assert dec._fused is None and why in dec.fused_how
+
+
+def test_bf16_and_the_switch_keep_the_operator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(tiny_config("llama", VOCAB)).to(torch.bfloat16)
+    assert Decoder(model)._fused is None
+    monkeypatch.setenv("VARIANTBENCH_FUSED_DECODE", "0")
+    fused_decode.kernel.cache_clear()
+    try:
+        dec = Decoder(tiny_model(tiny_config("llama", VOCAB)))
+        assert dec._fused is None and "VARIANTBENCH_FUSED_DECODE=0" in dec.fused_how
+    finally:
+        fused_decode.kernel.cache_clear()
