@@ -1,4 +1,4 @@
-"""The fused float32 decode step (issue 42): transformers' logits, the operator path's tokens, and the
+"""The fused float32 and bf16 decode steps (issue 42): transformers' logits, the operator path's tokens, and the
 torch path wherever the kernel does not compute a model exactly."""
 
 from __future__ import annotations
@@ -86,8 +86,48 @@ def test_what_the_kernel_does_not_compute_stays_on_the_operator_path(
     assert dec._fused is None and why in dec.fused_how
 
 
-def test_bf16_and_the_switch_keep_the_operator_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_model(tiny_config("llama", VOCAB)).to(torch.bfloat16)
+def _builds() -> list[tuple[str, tuple[str, ...]]]:
+    from variantbench.backends import bf16_kernel
+    from variantbench.environment import cpu_flags
+
+    flags, out = cpu_flags(), []
+    if "avx512_bf16" in flags:
+        out.append(("AVX-512 BF16", bf16_kernel.AVX512_BF16))
+    if "avx2" in flags:
+        out.append(("AVX2", bf16_kernel.AVX2))
+    return out
+
+
+@pytest.mark.parametrize("build", _builds(), ids=lambda b: b[0])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_bf16_step_rounds_where_the_operator_path_rounds(
+    build: tuple[str, tuple[str, ...]], family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 (each build this CPU runs): every step's logits as the operator path's within a bf16
+    rounding of a few of them (measured: equal bit for bit on AVX-512 BF16), the same greedy tokens."""
+    from variantbench.backends import bf16_kernel
+
+    monkeypatch.setattr(bf16_kernel, "isa", lambda: build)
+    fused_decode.kernel.cache_clear()
+    try:
+        overrides = {"use_sliding_window": False} if family == "qwen2" else {}
+        dec = Decoder(tiny_model(tiny_config(family, VOCAB, **overrides), seed=3).to(torch.bfloat16))
+        assert dec._fused is not None and build[0] in dec.fused_how
+        prompt = list(range(3, 30))
+        with torch.inference_mode():
+            tokens = dec.generate([prompt], 24).token_ids[0]
+            _, fused = dec.teacher_forced_logits(prompt, tokens)
+            dec._fused = None
+            _, ops = dec.teacher_forced_logits(prompt, tokens)
+            assert dec.generate([prompt], 24).token_ids[0] == tokens
+        for a, b in zip(fused, ops, strict=True):
+            assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
+    finally:
+        fused_decode.kernel.cache_clear()
+
+
+def test_fp16_and_the_switch_keep_the_operator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(tiny_config("llama", VOCAB)).to(torch.float16)
     assert Decoder(model)._fused is None
     monkeypatch.setenv("VARIANTBENCH_FUSED_DECODE", "0")
     fused_decode.kernel.cache_clear()

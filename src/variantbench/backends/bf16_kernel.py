@@ -30,12 +30,11 @@ from variantbench import native
 
 MAX_ROWS = 8  # a decode step's batch; more rows (a prompt) stay on oneDNN's GEMM
 
-SOURCE = (
-    native.HELPERS_C
-    + r"""
+# One output of a product at one row: the dot product of a bf16 row of activations with a bf16 row
+# of the weight, in float32 (``xf``: the activations widened, read by the AVX2 build only); K % 32 == 0.
+# Shared with the fused decode step (fused_decode.py).
+DOT_C = r"""
 #include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
 #ifndef __AVX512BF16__
 static inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -47,26 +46,48 @@ static inline __m256 widen8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 #endif
+static inline float dot_bf16(const uint16_t* x, const float* xf, const uint16_t* w, int K) {
+#ifdef __AVX512BF16__  /* two chains, so the sums do not wait on each other */
+  (void)xf;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(w + k + 32));
+  }
+  if (k < K) a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#else  /* four chains, each weight widened in registers */
+  (void)x;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k), widen8(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 8), widen8(w + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 16), widen8(w + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 24), widen8(w + k + 24), a3);
+  }
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+}
+"""
+
+SOURCE = (
+    native.HELPERS_C
+    + DOT_C
+    + r"""
+#include <stdint.h>
+#include <string.h>
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out, float32 sums; K % 32 == 0, M <= 8;
    xf: M * K floats of scratch (the AVX2 path's widened activations) */
 void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* W, const uint16_t* bias, uint16_t* y,
                int N, float* xf) {
 #ifdef __AVX512BF16__
-  (void)xf;
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++) {
     const uint16_t* w = W + (long)n * K;
     float sums[8];
-    if (M == 1) {  /* one row: two chains, so the sums do not wait on each other */
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      int k = 0;
-      for (; k + 64 <= K; k += 64) {
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32),
-                              (__m512bh)_mm512_loadu_si512(w + k + 32));
-      }
-      if (k < K) a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
-      sums[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    if (M == 1) {
+      sums[0] = dot_bf16(x, xf, w, K);
     } else {
       __m512 acc[8];
       for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
@@ -86,15 +107,8 @@ void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* W, const uint16_
   for (int n = 0; n < N; n++) {
     const uint16_t* w = W + (long)n * K;
     float sums[8];
-    if (M == 1) {  /* one row: four chains */
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int k = 0; k < K; k += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k), widen8(w + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 8), widen8(w + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 16), widen8(w + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 24), widen8(w + k + 24), a3);
-      }
-      sums[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    if (M == 1) {
+      sums[0] = dot_bf16(x, xf, w, K);
     } else {
       __m256 acc[8];
       for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
@@ -139,20 +153,27 @@ class Kernel:
         return y
 
 
-@functools.cache
-def kernel() -> tuple[Kernel | None, str]:
-    """(the kernel, how it was had) or (None, why not): the widest build this CPU runs, compiled once."""
+def isa() -> tuple[str, tuple[str, ...]] | None:
+    """(the widest instruction set ``DOT_C`` builds for on this CPU, its compiler flags), or None."""
     from variantbench.environment import cpu_flags
 
     flags = cpu_flags()
     if "avx512_bf16" in flags:
-        isa, extra = "AVX-512 BF16", AVX512_BF16
-    elif "avx2" in flags:
-        isa, extra = "AVX2", AVX2
-    else:
+        return "AVX-512 BF16", AVX512_BF16
+    if "avx2" in flags:
+        return "AVX2", AVX2
+    return None
+
+
+@functools.cache
+def kernel() -> tuple[Kernel | None, str]:
+    """(the kernel, how it was had) or (None, why not): the widest build this CPU runs, compiled once."""
+    widest = isa()
+    if widest is None:
         return None, "this CPU has neither AVX-512 BF16 nor AVX2"
+    isa_name, extra = widest
     lib, how = native.load("bf16", SOURCE, BASE_FLAGS + extra, "VARIANTBENCH_BF16_KERNEL")
-    return (Kernel(lib, isa), f"{isa} bf16 kernel ({how})") if lib is not None else (None, how)
+    return (Kernel(lib, isa_name), f"{isa_name} bf16 kernel ({how})") if lib is not None else (None, how)
 
 
 # (N, K) -> which product this process chose for one row and for more rows of that shape:

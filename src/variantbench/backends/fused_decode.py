@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from variantbench import native
+from variantbench.backends import bf16_kernel
 
 if TYPE_CHECKING:
     from variantbench.backends.engine import Decoder
 
-SOURCE = (
-    native.HELPERS_C
-    + r"""
+# What both builds share: the per-layer pointers and the split of work across the threads
+COMMON_C = r"""
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -57,7 +57,8 @@ static inline void share(int n, int align, int* lo, int* hi) {
   *hi = *lo + per < n ? *lo + per : n;
 }
 
-static inline float rms_scale(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
+"""
+F32_C = r"""static inline float rms_scale(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
 
 /* y = x . W (+ b) (+ y where acc) for a row-major [K, N] weight, inside the parallel region: each thread
    sums its own contiguous rows [k0, k1) (share(K, 8): the x[k] of those rows are all it reads, so a
@@ -175,8 +176,134 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
     gemv(h, H, head, head_bias, logits, vocab, 0, partials);
   }
 }
+
 """
-)
+BF16_C = r"""/* bf16: the same step, rounded to bf16 where the engine's torch path rounds (each operator's
+   output), so it decodes the tokens that path decodes. An activation is kept twice: bf16 (what
+   vdpbf16ps reads) and widened (what the AVX2 build reads). */
+static inline float rb(float v) { return from_bf16(to_bf16(v)); }
+static inline void put(uint16_t* b, float* f, int i, float v) { b[i] = to_bf16(v); f[i] = from_bf16(b[i]); }
+
+/* this thread's share of h = bf16(w * bf16(x * rms)) (the Llama order, as Norm computes bf16) */
+static void norm_b(const uint16_t* x, const uint16_t* w, float eps, int H, uint16_t* hb, float* hf) {
+  int k0, k1;
+  share(H, 8, &k0, &k1);
+  float ss[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0;
+  int i = 0;
+  for (; i + 8 <= H; i += 8)
+    for (int j = 0; j < 8; j++) { float v = from_bf16(x[i + j]); ss[j] += v * v; }
+  for (; i < H; i++) { float v = from_bf16(x[i]); sum += v * v; }
+  for (int j = 0; j < 8; j++) sum += ss[j];
+  float r = 1.f / sqrtf(sum / (float)H + eps);
+  for (int k = k0; k < k1; k++) put(hb, hf, k, from_bf16(w[k]) * rb(from_bf16(x[k]) * r));
+}
+
+/* y = bf16(x . W^T + b) for a row-major [N, K] bf16 weight, this thread's share of the N rows (one
+   contiguous slab); acc: y = bf16(y + that), the residual sum. yf: y widened (NULL: not needed). */
+static void gemv_b(const uint16_t* xb, const float* xf, int K, const uint16_t* W, const uint16_t* b, uint16_t* y,
+                   float* yf, int N, int acc) {
+  int n0, n1;
+  share(N, 1, &n0, &n1);
+  for (int n = n0; n < n1; n++) {
+    float v = rb(dot_bf16(xb, xf, W + (long)n * K, K) + (b ? from_bf16(b[n]) : 0.f));
+    if (acc) v += from_bf16(y[n]);
+    y[n] = to_bf16(v);
+    if (yf) yf[n] = from_bf16(y[n]);
+  }
+}
+
+/* bf16 RoPE as torch computes it: addcmul(bf16(x * cos), roll(x), ssin), rounded once */
+static inline void rope_b(uint16_t* v, const uint16_t* cos, const uint16_t* ssin, int d) {
+  uint16_t tmp[512];
+  int h = d / 2;
+  for (int i = 0; i < d; i++)
+    tmp[i] = to_bf16(rb(from_bf16(v[i]) * from_bf16(cos[i])) + from_bf16(v[i < h ? i + h : i - h]) * from_bf16(ssin[i]));
+  memcpy(v, tmp, sizeof(uint16_t) * d);
+}
+
+void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, int D, uint16_t* kv, int max_kv,
+                       int length, int pos, int rope_pos, const uint16_t* final_norm, float final_eps,
+                       const uint16_t* head, const uint16_t* head_bias, int vocab, uint16_t* logits, float* scratch,
+                       int nq_max, int inter_max, int threads) {
+  /* scratch (floats): hf H, qkvf, attf nq_max D, guf 2 inter_max, scores nq_max (pos + 1), then the bf16 arrays */
+  int wide = (nq_max + 2 * max_kv) * D;
+  float* hf = scratch;
+  float* attf = hf + H;
+  float* guf = attf + (long)nq_max * D;
+  float* scores = guf + 2L * inter_max;
+  uint16_t* hb = (uint16_t*)(scores + (long)nq_max * (pos + 1));
+  uint16_t* qkv = hb + H;
+  uint16_t* attb = qkv + wide;
+  uint16_t* gub = attb + (long)nq_max * D;
+  int T = pos + 1;
+  #pragma omp parallel num_threads(threads)
+  {
+    for (int l = 0; l < n_layers; l++) {
+      const layer_t* L = layers + l;
+      int nq = L->nq, nkv = L->nkv, G = nq / nkv, k0, k1;
+      uint16_t* kc = kv + (long)l * 2 * max_kv * length * D;
+      uint16_t* vc = kc + (long)max_kv * length * D;
+      const uint16_t* cos = (const uint16_t*)L->cos + (long)rope_pos * L->rot;
+      const uint16_t* ssin = (const uint16_t*)L->sin + (long)rope_pos * L->rot;
+      norm_b(x, (const uint16_t*)L->norm1, L->eps1, H, hb, hf);
+      #pragma omp barrier
+      gemv_b(hb, hf, H, (const uint16_t*)L->wqkv, (const uint16_t*)L->bqkv, qkv, NULL, (nq + 2 * nkv) * D, 0);
+      #pragma omp barrier
+      #pragma omp single
+      for (int j = 0; j < nkv; j++) {
+        uint16_t* k = qkv + (long)(nq + j) * D;
+        rope_b(k, cos, ssin, D);
+        memcpy(kc + ((long)j * length + pos) * D, k, sizeof(uint16_t) * D);
+        memcpy(vc + ((long)j * length + pos) * D, qkv + (long)(nq + nkv + j) * D, sizeof(uint16_t) * D);
+      }
+      #pragma omp for schedule(static)
+      for (int i = 0; i < nq; i++) {
+        uint16_t* q = qkv + (long)i * D;
+        rope_b(q, cos, ssin, D);
+        float qf[512], o[512];
+        for (int c = 0; c < D; c++) qf[c] = from_bf16(q[c]);
+        const uint16_t* kh = kc + (long)(i / G) * length * D;
+        const uint16_t* vh = vc + (long)(i / G) * length * D;
+        int t0 = L->window > 0 && T > L->window ? T - L->window : 0;
+        float* s = scores + (long)i * T;
+        for (int t = t0; t < T; t++) {
+          const uint16_t* kt = kh + (long)t * D;
+          float acc = 0;
+          for (int c = 0; c < D; c++) acc += qf[c] * from_bf16(kt[c]);
+          s[t] = acc * L->scale;
+        }
+        float inv = softmax_exp(s + t0, T - t0);
+        for (int c = 0; c < D; c++) o[c] = 0;
+        for (int t = t0; t < T; t++) {
+          float w = s[t] * inv;
+          const uint16_t* vt = vh + (long)t * D;
+          for (int c = 0; c < D; c++) o[c] += w * from_bf16(vt[c]);
+        }
+        for (int c = 0; c < D; c++) put(attb, attf, i * D + c, o[c]);
+      }
+      gemv_b(attb, attf, nq * D, (const uint16_t*)L->wo, (const uint16_t*)L->bo, x, NULL, H, 1);
+      #pragma omp barrier
+      norm_b(x, (const uint16_t*)L->norm2, L->eps2, H, hb, hf);
+      #pragma omp barrier
+      gemv_b(hb, hf, H, (const uint16_t*)L->wgu, (const uint16_t*)L->bgu, gub, NULL, 2 * L->inter, 0);
+      #pragma omp barrier
+      share(L->inter, 8, &k0, &k1); /* bf16(bf16(SiLU(gate)) * up), as F.silu and the product round */
+      for (int i = k0; i < k1; i++) {
+        float g = from_bf16(gub[i]);
+        put(gub, guf, i, rb(g / (1.f + expf(-g))) * from_bf16(gub[L->inter + i]));
+      }
+      #pragma omp barrier
+      gemv_b(gub, guf, L->inter, (const uint16_t*)L->wd, (const uint16_t*)L->bd, x, NULL, H, 1);
+      #pragma omp barrier
+    }
+    norm_b(x, final_norm, final_eps, H, hb, hf);
+    #pragma omp barrier
+    gemv_b(hb, hf, H, head, head_bias, logits, NULL, vocab, 0);
+  }
+}
+"""
+F32_SOURCE = native.HELPERS_C + COMMON_C + F32_C
+BF16_SOURCE = native.HELPERS_C + bf16_kernel.DOT_C + COMMON_C + BF16_C
 FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -193,19 +320,36 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # fmt: skip
+
+
 @functools.cache
-def kernel() -> tuple[Any, str]:
-    """(the compiled ``fused_decode``, how it was had) or (None, why not): compiled once, cached."""
-    lib, how = native.load("fused_decode", SOURCE, FLAGS + native.vector_flags(), "VARIANTBENCH_FUSED_DECODE")
+def kernel(dtype: torch.dtype = torch.float32) -> tuple[Any, str]:
+    """(the compiled step for ``dtype``, how it was had) or (None, why not): compiled once, cached.
+    float32: plain C loops the compiler vectorizes; bf16: the widest bf16 dot product this CPU runs
+    (``bf16_kernel.DOT_C``: AVX-512 BF16, else AVX2)."""
+    if dtype == torch.float32:
+        lib, how = native.load("fused_decode", F32_SOURCE, FLAGS + native.vector_flags(), SWITCH)
+        name, isa, extra = "fused_decode", "fp32", [ctypes.c_void_p, ctypes.c_int]
+    elif dtype == torch.bfloat16:
+        widest = bf16_kernel.isa()
+        if widest is None:
+            return None, "this CPU has neither AVX-512 BF16 nor AVX2"
+        lib, how = native.load("fused_decode_bf16", BF16_SOURCE, FLAGS + widest[1], SWITCH)
+        name, isa, extra = "fused_decode_bf16", f"{widest[0]} bf16", [ctypes.c_int]
+    else:
+        return None, f"no fused step for {dtype}"
     if lib is None:
         return None, how
-    fn = lib.fused_decode
+    fn = getattr(lib, name)
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
-    return fn, f"fused fp32 decode kernel ({how})"
+    fn.argtypes = _ARGS + extra
+    return fn, f"fused {isa} decode kernel ({how})"
+
+
+SWITCH = "VARIANTBENCH_FUSED_DECODE"
 
 
 class FusedStack:
@@ -214,9 +358,8 @@ class FusedStack:
     def __init__(self, decoder: Decoder, fn: Any) -> None:
         self.fn = fn
         self.decoder = decoder
-        self.keep: list[torch.Tensor] = []  # tensors made here, alive as long as the pointers
+        self.float32 = decoder.dtype == torch.float32
         rope = decoder._rope_tables(256)
-        self.rope_rows = next(iter(rope.values()))[0].shape[0]
         self.layers = (_LayerT * len(decoder.layers))()
         self._point(rope)
         head = decoder.lm_head
@@ -224,7 +367,7 @@ class FusedStack:
         self.vocab = int(head.out_features)  # type: ignore[union-attr]
         self.nq_max = max(layer.n_heads for layer in decoder.layers)
         self.buffers: dict[str, torch.Tensor] = {}
-        # the widest product's output: each thread's partial sums of it (fused_decode's gemv)
+        # the widest product's output: each thread's partial sums of it (the float32 step's gemv)
         self.widest = max([self.vocab, decoder.hidden_size] + [int(p.out_features) for layer in decoder.layers
                                                                for p in (layer.qkv, layer.gate_up)])  # type: ignore[attr-defined]  # fmt: skip
         self.inter_max = max(layer.gate_up.out_features // 2 for layer in decoder.layers)  # type: ignore[union-attr]
@@ -258,54 +401,77 @@ class FusedStack:
         return have
 
     def step(self, x: torch.Tensor, storage: torch.Tensor, cur: int, position: int) -> torch.Tensor:
-        """The logits [1, vocab] of one token ``x`` [1, 1, H] (float32) at cache slot ``cur``."""
+        """The float32 logits [1, vocab] of one token ``x`` [1, 1, H] at cache slot ``cur``."""
         d = self.decoder
         rope = d._rope_tables(position + 1)
         if rope is not self.rope:  # the tables grew: new pointers
             self._point(rope)
         x = x.reshape(-1).clone()
         _, _, _, max_kv, length, head_dim = storage.shape
-        logits = torch.empty(1, self.vocab)
+        logits = torch.empty(1, self.vocab, dtype=d.dtype)
         threads = torch.get_num_threads()
-        scratch = self._buffer("scratch", d.hidden_size + 2 * (self.nq_max + max_kv) * head_dim
-                               + 2 * self.inter_max + self.nq_max * (cur + 1))  # fmt: skip
-        partials = self._buffer("partials", threads * self.widest)
-        final = d.final_norm
+        h, inter, nq = d.hidden_size, self.inter_max, self.nq_max
+        # the float32 step: h, q/k/v, attention, gate/up and scores; the bf16 step keeps each of its
+        # activations twice (bf16 and widened: half a float more an element) and no partial sums
+        floats = h + (2 * nq + 2 * max_kv) * head_dim + 2 * inter + nq * (cur + 1)
+        if not self.float32:
+            floats += (h + nq * head_dim + 2 * inter) // 2 + 8
+        scratch = self._buffer("scratch", floats)
+        args = [x.data_ptr(), self.layers, len(self.layers), h, head_dim, storage.data_ptr(), max_kv, length, cur,
+                position, d.final_norm.weight.data_ptr(), d.final_norm.eps, self.head.data_ptr(),
+                _ptr(self.head_bias), self.vocab, logits.data_ptr(), scratch.data_ptr(), nq, inter]  # fmt: skip
+        if self.float32:
+            args += [self._buffer("partials", threads * self.widest).data_ptr(), threads]
+        else:
+            args += [threads]
         with native.labelled("fused_decode_layers"):
-            self.fn(x.data_ptr(), self.layers, len(self.layers), d.hidden_size, head_dim, storage.data_ptr(),
-                    max_kv, length, cur, position, final.weight.data_ptr(), final.eps, self.head.data_ptr(),
-                    _ptr(self.head_bias), self.vocab, logits.data_ptr(), scratch.data_ptr(), self.nq_max,
-                    self.inter_max, partials.data_ptr(), threads)  # fmt: skip
-        return logits
+            self.fn(*args)
+        return logits.float()
 
 
 def plan(decoder: Decoder) -> tuple[FusedStack | None, str]:
     """The fused step for this decoder, or (None, why the torch path decodes it)."""
     from variantbench.backends.engine import _DenseT
 
-    if decoder.device.type != "cpu" or decoder.dtype != torch.float32:
-        return None, "not float32 on the CPU"
+    dtype = decoder.dtype
+    if decoder.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None, "not float32 or bf16 on the CPU"
     if decoder.act is not F.silu:
         return None, "the MLP's activation is not SiLU"
     if decoder.residual_scale is not None or decoder.has_linear_attention:
         return None, "a residual scale or linear attention"
+    fp32 = dtype == torch.float32
+
+    def plain(p: object) -> bool:  # the engine's dense weight as the step reads it, with its plain copy
+        if not isinstance(p, _DenseT) or p.weight is None or p.weight.dtype != dtype or p.transposed != fp32:
+            return False
+        return fp32 or (p.in_features % 32 == 0 and (p.bias is None or p.bias.dtype == dtype))
+
     rope = decoder._rope_tables(256)
     for i, layer in enumerate(decoder.layers):
-        dense = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if not all(isinstance(p, _DenseT) and p.transposed and p.weight is not None for p in dense):
-            return None, f"layer {i}'s projections are not plain float32 dense weights"
+        if not all(plain(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return (
+                None,
+                f"layer {i}'s projections are not plain {dtype} dense weights (or K is not a multiple of 32)",
+            )
         norms = (layer.attn_in, layer.mlp_in)
-        if any(n is None or n.weight.dtype != torch.float32 for n in norms):
-            return None, f"layer {i} has no float32 pre-norms"
+        if any(n is None or n.weight.dtype != dtype or (n.upcast and not fp32) for n in norms):
+            return None, f"layer {i} has no pre-norms in the model's dtype"
         if any(n is not None for n in (layer.attn_out, layer.mlp_out, layer.q_norm, layer.k_norm)):
             return None, f"layer {i} has post-norms or q/k norms"
         if layer.attention.softcap is not None or layer.experts is not None or layer.linear is not None:
             return None, f"layer {i}'s attention scores are soft-capped or its MLP is not dense"
         if layer.n_heads % layer.n_kv_heads or rope[layer.rope][0].shape[-1] != decoder.head_dim:
             return None, f"layer {i}'s heads do not group evenly or its rotary is partial"
-    if decoder.head_dim > 512 or not isinstance(decoder.lm_head, _DenseT) or not decoder.lm_head.transposed:
-        return None, "the head is not a plain float32 dense weight"
-    fn, how = kernel()
+    final = decoder.final_norm
+    if (
+        decoder.head_dim > 512
+        or not plain(decoder.lm_head)
+        or final.weight.dtype != dtype
+        or (final.upcast and not fp32)
+    ):
+        return None, "the head is not a plain dense weight in the model's dtype"
+    fn, how = kernel(dtype)
     if fn is None:
         return None, how
     return FusedStack(decoder, fn), how
