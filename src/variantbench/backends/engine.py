@@ -629,13 +629,14 @@ class Decoder:
         A compiled step keeps both: the packed op runs outside its graph, so every row would."""
         if self.compiled:
             return 0
-        self._fused, self.fused_how = None, "the plain weights were dropped (served with one copy)"
         freed = 0
         for layer in self.layers:
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):  # None in an MoE layer
                 if isinstance(proj, _DenseT) and proj.weight is not None:
                     size = proj.weight.numel() * proj.weight.element_size()
                     freed += size if proj.drop_plain() else 0
+        if freed:  # the fused step reads the plain copies
+            self._fused, self.fused_how = None, "the plain weights were dropped (served with one copy)"
         return freed
 
     # ---- building blocks -------------------------------------------------------------------

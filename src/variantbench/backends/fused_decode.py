@@ -1,4 +1,4 @@
-"""A float32 decode step at batch 1 in one C call for the whole layer stack (issue 42).
+"""A decode step at batch 1 in one C call for the whole layer stack (issue 42).
 
 At one row a decode step is bound by reading the weights, but the engine's torch path runs about
 20 operators a layer (norm, projections, RoPE, cache writes, attention, SiLU, residual sums), 600 a
@@ -7,16 +7,29 @@ SmolLM2 token, each a few microseconds of dispatch: 5.5 ms of a 29 ms fp32 token
 projections alone read the weights at about 80%. llama.cpp, one C call a layer, reached 94%.
 
 This kernel runs every layer of a Llama-shaped stack (pre-norm RMSNorm, fused QKV with optional
-bias, full-width RoPE, grouped-query softmax attention over the cache, SiLU-gated MLP; a sliding window where the layer has one) and the final
-norm and vocabulary head inside one OpenMP parallel region: each projection's output columns are
-split across the threads, reading the engine's own transposed ``[K, N]`` float32 weights in place
-(``_DenseT``) with the partial sums of a column block in L1; the phases meet at a barrier (about a
-microsecond on 2 cores), 9 a layer. The result is the float32 logits, as ``Decoder._logits`` gives.
+bias, full-width RoPE, grouped-query softmax attention over the cache with a sliding window where
+the layer has one, SiLU-gated MLP) and the final norm and vocabulary head inside one OpenMP parallel
+region, reading the engine's own weights in place; the phases meet at barriers (about a microsecond
+on 2 cores). Three weight kinds, each product as the operator path computes it:
+
+* float32 (``_DenseT``'s transposed ``[K, N]`` copy): each thread streams one contiguous slab of
+  rows into partial sums, then the partials are added by column (``gemv``);
+* bf16 (``[N, K]``, the model in bf16): each thread its slab of output rows through the bf16 dot
+  product of ``bf16_kernel.DOT_C`` (AVX-512 BF16 or AVX2), every activation rounded to bf16 where
+  the operator path rounds it, so both decode the same tokens (bit-equal logits measured on tiny
+  Llama and Qwen2 models);
+* int8 (``Int8Linear``'s q8 copy, in a float32 model): the input row quantized with one scale and
+  dotted in int32 as ``variants/q8_kernel.py`` does.
+
+Measured (``benchmarks/decode.py``, SmolLM2-135M, 2 AVX-512 BF16 EPYC cores, 3 interleaved repeats):
+fixed cost 0.5-0.7 ms a token against 4.2-5.5; fp32 52.4 tokens/s (85% of the roofline) against
+34.4 (61%); bf16 88.1 against 62.9; smooth+int8 at 3.8x fp32's tokens/s against 2.6x.
 
 It serves what it computes exactly as the torch path does, and nothing else (``plan`` says why
-not): float32 weights on the CPU, no q/k norms, no post-norms, no residual scale, no soft-cap,
-SiLU, full-width rotary, dense projections with their plain copy kept. Batch 1 only, with no mask:
-a batched step's rows stay on the torch path (its products reuse each weight across the rows).
+not): float32 or bf16 on the CPU, no q/k norms, no post-norms, no residual scale, no soft-cap, SiLU,
+full-width rotary, projections that are plain dense weights with their plain copy kept, or int8
+ones. Batch 1 only, with no mask: a batched step's rows stay on the torch path (its products reuse
+each weight across the rows), and so does the diagnosis's profiled step (it files time by operator).
 Compiled once (``variantbench.native``); ``VARIANTBENCH_FUSED_DECODE=0`` keeps the torch path.
 """
 
@@ -24,13 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from variantbench import native
 from variantbench.backends import bf16_kernel
+from variantbench.variants import q8_kernel
 
 if TYPE_CHECKING:
     from variantbench.backends.engine import Decoder
@@ -42,8 +56,18 @@ COMMON_C = r"""
 #include <stdint.h>
 #include <string.h>
 
+/* a projection's weights: kind 0, the model's dtype (float32 [K, N], bf16 [N, K]); kind 1, int8
+   [N, K] with one float32 scale an output (q8); its bias float32 (bf16 in a bf16 model) or NULL */
 typedef struct {
-  const float *norm1, *wqkv, *bqkv, *wo, *bo, *norm2, *wgu, *bgu, *wd, *bd, *cos, *sin;
+  const void* w;
+  const float* scales;
+  const void* bias;
+  int kind;
+} proj_t;
+
+typedef struct {
+  const void *norm1, *norm2, *cos, *sin;
+  proj_t qkv, o, gu, down;
   float eps1, eps2, scale;
   int nq, nkv, inter, rot;  /* rot: the rotary table's row length (its head_dim) */
   int window;               /* a sliding window's length (the query and window - 1 keys before it); 0: none */
@@ -95,6 +119,31 @@ static void gemv(const float* x, int K, const float* W, const float* b, float* y
   }
 }
 
+/* y = x . W (+ b) (+ y where acc) through the projection's own weights: float32 (gemv) or int8
+   (q8: x quantized per token with one scale, as variants/q8_kernel.py computes it, every output row
+   dotted in int32 by the thread whose share it is). xq, sx: K int8 and one float of shared scratch. */
+static void project(const proj_t* p, const float* x, int K, float* y, int N, int acc, float* partials, int8_t* xq,
+                    float* sx) {
+  if (p->kind == 0) {
+    gemv(x, K, (const float*)p->w, (const float*)p->bias, y, N, acc, partials);
+    return;
+  }
+#ifdef HAVE_Q8
+  int n0, n1;
+  #pragma omp barrier /* every row of x written */
+  #pragma omp single
+  *sx = quantize_row(x, K, xq);
+  share(N, 1, &n0, &n1);
+  const int8_t* W = (const int8_t*)p->w;
+  const float* b = (const float*)p->bias;
+  for (int n = n0; n < n1; n++) {
+    float v = dot_q8(xq, W + (long)n * K, K) * *sx * p->scales[n];
+    if (b) v += b[n];
+    y[n] = acc ? y[n] + v : v;
+  }
+#endif
+}
+
 /* h[k] = x[k] * rms * w[k] for this thread's rows of the next product (x whole: every thread takes its norm) */
 static inline void norm_rows(const float* x, const float* w, float eps, int H, float* h) {
   int k0, k1;
@@ -114,16 +163,18 @@ static inline void rope(float* v, const float* cos, const float* ssin, int d) {
 /* One token through every layer, the final norm and the head, on at most `threads` threads.
    x [H]: the embedded token in, the last hidden state out. kv: the cache storage
    [layers, 2, 1, max_kv, length, D] float32; pos: this token's slot (its rope row is rope_pos).
-   scratch: H + 2 (nq_max + kv_max) D + 2 inter_max + nq_max (pos + 1) floats; partials: threads * n_max. */
+   scratch: H + 2 (nq_max + kv_max) D + 2 inter_max + nq_max (pos + 1) + k_max / 4 + 2 floats;
+   partials: threads * n_max. */
 void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, float* kv, int max_kv,
-                  int length, int pos, int rope_pos, const float* final_norm, float final_eps,
-                  const float* head, const float* head_bias, int vocab, float* logits, float* scratch,
-                  int nq_max, int inter_max, float* partials, int threads) {
+                  int length, int pos, int rope_pos, const float* final_norm, float final_eps, const proj_t* head,
+                  int vocab, float* logits, float* scratch, int nq_max, int inter_max, float* partials, int threads) {
   float* h = scratch;
   float* qkv = h + H;
   float* att = qkv + (long)(nq_max + 2 * max_kv) * D;
   float* gu = att + (long)nq_max * D;
   float* scores = gu + 2L * inter_max;
+  float* sx = scores + (long)nq_max * (pos + 1);
+  int8_t* xq = (int8_t*)(sx + 1);
   int T = pos + 1;
   #pragma omp parallel num_threads(threads)
   {
@@ -132,10 +183,10 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
       int nq = L->nq, nkv = L->nkv, G = nq / nkv, k0, k1;
       float* kc = kv + (long)l * 2 * max_kv * length * D;
       float* vc = kc + (long)max_kv * length * D;
-      const float* cos = L->cos + (long)rope_pos * L->rot;
-      const float* ssin = L->sin + (long)rope_pos * L->rot;
-      norm_rows(x, L->norm1, L->eps1, H, h);
-      gemv(h, H, L->wqkv, L->bqkv, qkv, (nq + 2 * nkv) * D, 0, partials);
+      const float* cos = (const float*)L->cos + (long)rope_pos * L->rot;
+      const float* ssin = (const float*)L->sin + (long)rope_pos * L->rot;
+      norm_rows(x, (const float*)L->norm1, L->eps1, H, h);
+      project(&L->qkv, h, H, qkv, (nq + 2 * nkv) * D, 0, partials, xq, sx);
       #pragma omp barrier
       #pragma omp single
       for (int j = 0; j < nkv; j++) {
@@ -162,21 +213,20 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
           for (int c = 0; c < D; c++) o[c] += w * vt[c];
         }
       }
-      gemv(att, nq * D, L->wo, L->bo, x, H, 1, partials); /* the residual sum in place */
+      project(&L->o, att, nq * D, x, H, 1, partials, xq, sx); /* the residual sum in place */
       #pragma omp barrier
-      norm_rows(x, L->norm2, L->eps2, H, h);
-      gemv(h, H, L->wgu, L->bgu, gu, 2 * L->inter, 0, partials);
+      norm_rows(x, (const float*)L->norm2, L->eps2, H, h);
+      project(&L->gu, h, H, gu, 2 * L->inter, 0, partials, xq, sx);
       #pragma omp barrier
       share(L->inter, 8, &k0, &k1); /* SiLU(gate) * up for this thread's rows of the down product */
       for (int i = k0; i < k1; i++) gu[i] = gu[i] / (1.f + expf(-gu[i])) * gu[L->inter + i];
-      gemv(gu, L->inter, L->wd, L->bd, x, H, 1, partials);
+      project(&L->down, gu, L->inter, x, H, 1, partials, xq, sx);
       #pragma omp barrier
     }
     norm_rows(x, final_norm, final_eps, H, h);
-    gemv(h, H, head, head_bias, logits, vocab, 0, partials);
+    project(head, h, H, logits, vocab, 0, partials, xq, sx);
   }
 }
-
 """
 BF16_C = r"""/* bf16: the same step, rounded to bf16 where the engine's torch path rounds (each operator's
    output), so it decodes the tokens that path decodes. An activation is kept twice: bf16 (what
@@ -223,7 +273,7 @@ static inline void rope_b(uint16_t* v, const uint16_t* cos, const uint16_t* ssin
 
 void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, int D, uint16_t* kv, int max_kv,
                        int length, int pos, int rope_pos, const uint16_t* final_norm, float final_eps,
-                       const uint16_t* head, const uint16_t* head_bias, int vocab, uint16_t* logits, float* scratch,
+                       const proj_t* head, int vocab, uint16_t* logits, float* scratch,
                        int nq_max, int inter_max, int threads) {
   /* scratch (floats): hf H, qkvf, attf nq_max D, guf 2 inter_max, scores nq_max (pos + 1), then the bf16 arrays */
   int wide = (nq_max + 2 * max_kv) * D;
@@ -247,7 +297,7 @@ void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, 
       const uint16_t* ssin = (const uint16_t*)L->sin + (long)rope_pos * L->rot;
       norm_b(x, (const uint16_t*)L->norm1, L->eps1, H, hb, hf);
       #pragma omp barrier
-      gemv_b(hb, hf, H, (const uint16_t*)L->wqkv, (const uint16_t*)L->bqkv, qkv, NULL, (nq + 2 * nkv) * D, 0);
+      gemv_b(hb, hf, H, (const uint16_t*)L->qkv.w, (const uint16_t*)L->qkv.bias, qkv, NULL, (nq + 2 * nkv) * D, 0);
       #pragma omp barrier
       #pragma omp single
       for (int j = 0; j < nkv; j++) {
@@ -281,11 +331,11 @@ void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, 
         }
         for (int c = 0; c < D; c++) put(attb, attf, i * D + c, o[c]);
       }
-      gemv_b(attb, attf, nq * D, (const uint16_t*)L->wo, (const uint16_t*)L->bo, x, NULL, H, 1);
+      gemv_b(attb, attf, nq * D, (const uint16_t*)L->o.w, (const uint16_t*)L->o.bias, x, NULL, H, 1);
       #pragma omp barrier
       norm_b(x, (const uint16_t*)L->norm2, L->eps2, H, hb, hf);
       #pragma omp barrier
-      gemv_b(hb, hf, H, (const uint16_t*)L->wgu, (const uint16_t*)L->bgu, gub, NULL, 2 * L->inter, 0);
+      gemv_b(hb, hf, H, (const uint16_t*)L->gu.w, (const uint16_t*)L->gu.bias, gub, NULL, 2 * L->inter, 0);
       #pragma omp barrier
       share(L->inter, 8, &k0, &k1); /* bf16(bf16(SiLU(gate)) * up), as F.silu and the product round */
       for (int i = k0; i < k1; i++) {
@@ -293,23 +343,48 @@ void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, 
         put(gub, guf, i, rb(g / (1.f + expf(-g))) * from_bf16(gub[L->inter + i]));
       }
       #pragma omp barrier
-      gemv_b(gub, guf, L->inter, (const uint16_t*)L->wd, (const uint16_t*)L->bd, x, NULL, H, 1);
+      gemv_b(gub, guf, L->inter, (const uint16_t*)L->down.w, (const uint16_t*)L->down.bias, x, NULL, H, 1);
       #pragma omp barrier
     }
     norm_b(x, final_norm, final_eps, H, hb, hf);
     #pragma omp barrier
-    gemv_b(hb, hf, H, head, head_bias, logits, NULL, vocab, 0);
+    gemv_b(hb, hf, H, (const uint16_t*)head->w, (const uint16_t*)head->bias, logits, NULL, vocab, 0);
   }
 }
 """
-F32_SOURCE = native.HELPERS_C + COMMON_C + F32_C
 BF16_SOURCE = native.HELPERS_C + bf16_kernel.DOT_C + COMMON_C + BF16_C
 FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+SWITCH = "VARIANTBENCH_FUSED_DECODE"
+
+
+def f32_source() -> str:
+    """The float32 step's source, with the q8 product where the build has AVX2 (int8 projections)."""
+    q8 = "#define HAVE_Q8 1\n" + q8_kernel.DOT_C if "-mavx2" in native.vector_flags() else ""
+    return native.HELPERS_C + q8 + COMMON_C + F32_C
+
+
+@runtime_checkable
+class Q8Weights(Protocol):
+    """A projection that offers its weights as the q8 kernel reads them (``variants.int8.Int8Linear``)."""
+
+    in_features: int
+    out_features: int
+
+    def q8_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("kind", ctypes.c_int),
+    ]
 
 
 class _LayerT(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("norm1", "wqkv", "bqkv", "wo", "bo", "norm2", "wgu", "bgu", "wd", "bd", "cos", "sin")] + [
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "cos", "sin")] + [
+        (name, _Proj) for name in ("qkv", "o", "gu", "down")] + [
         ("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scale", ctypes.c_float),
         ("nq", ctypes.c_int), ("nkv", ctypes.c_int), ("inter", ctypes.c_int), ("rot", ctypes.c_int),
         ("window", ctypes.c_int),
@@ -321,17 +396,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.POINTER(_Proj),
          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # fmt: skip
 
 
 @functools.cache
 def kernel(dtype: torch.dtype = torch.float32) -> tuple[Any, str]:
     """(the compiled step for ``dtype``, how it was had) or (None, why not): compiled once, cached.
-    float32: plain C loops the compiler vectorizes; bf16: the widest bf16 dot product this CPU runs
-    (``bf16_kernel.DOT_C``: AVX-512 BF16, else AVX2)."""
+    float32: plain C loops the compiler vectorizes (and the q8 product with AVX2); bf16: the widest bf16
+    dot product this CPU runs (``bf16_kernel.DOT_C``: AVX-512 BF16, else AVX2)."""
     if dtype == torch.float32:
-        lib, how = native.load("fused_decode", F32_SOURCE, FLAGS + native.vector_flags(), SWITCH)
+        lib, how = native.load("fused_decode", f32_source(), FLAGS + native.vector_flags(), SWITCH)
         name, isa, extra = "fused_decode", "fp32", [ctypes.c_void_p, ctypes.c_int]
     elif dtype == torch.bfloat16:
         widest = bf16_kernel.isa()
@@ -349,45 +424,75 @@ def kernel(dtype: torch.dtype = torch.float32) -> tuple[Any, str]:
     return fn, f"fused {isa} decode kernel ({how})"
 
 
-SWITCH = "VARIANTBENCH_FUSED_DECODE"
+class Weights(NamedTuple):
+    kind: int  # 0: the model's dtype, 1: int8 (q8)
+    weight: torch.Tensor
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+
+
+def _weights(p: object, dtype: torch.dtype) -> Weights | None:
+    """A projection's weights as the step reads it, or None where it cannot:
+    the engine's dense weight in the model's dtype with its plain copy kept (float32 ``[K, N]``, bf16
+    ``[N, K]`` with K % 32 == 0), or, in a float32 model with the q8 product built, an int8 one."""
+    from variantbench.backends.engine import _DenseT, _Modules
+
+    fp32 = dtype == torch.float32
+    if isinstance(p, _Modules) and len(p.modules) == 1:  # a fused module kind (int8's)
+        p = p.modules[0]
+    if isinstance(p, _DenseT):
+        if p.weight is None or p.weight.dtype != dtype or p.transposed != fp32:
+            return None
+        if not fp32 and (p.in_features % 32 or (p.bias is not None and p.bias.dtype != dtype)):
+            return None
+        return Weights(0, p.weight, None, p.bias, p.out_features)
+    if fp32 and isinstance(p, Q8Weights) and p.in_features % 32 == 0 and "HAVE_Q8" in f32_source():
+        ints, scales, bias = p.q8_arrays()
+        return Weights(1, ints, scales, bias, int(ints.shape[0]))
+    return None
 
 
 class FusedStack:
     """The stack's pointers for the C call, made once per decoder (the weights never move)."""
 
-    def __init__(self, decoder: Decoder, fn: Any) -> None:
+    def __init__(self, decoder: Decoder, fn: Any, projections: dict[int, Weights]) -> None:
         self.fn = fn
         self.decoder = decoder
+        self.projections = projections  # id(projection) -> _weights(...): the tensors stay alive here
         self.float32 = decoder.dtype == torch.float32
-        rope = decoder._rope_tables(256)
         self.layers = (_LayerT * len(decoder.layers))()
-        self._point(rope)
-        head = decoder.lm_head
-        self.head, self.head_bias = head.weight, head.bias  # type: ignore[union-attr]
-        self.vocab = int(head.out_features)  # type: ignore[union-attr]
+        self._point(decoder._rope_tables(256))
+        self.head = self._proj(decoder.lm_head)
+        self.vocab = projections[id(decoder.lm_head)].out_features
         self.nq_max = max(layer.n_heads for layer in decoder.layers)
         self.buffers: dict[str, torch.Tensor] = {}
         # the widest product's output: each thread's partial sums of it (the float32 step's gemv)
-        self.widest = max([self.vocab, decoder.hidden_size] + [int(p.out_features) for layer in decoder.layers
-                                                               for p in (layer.qkv, layer.gate_up)])  # type: ignore[attr-defined]  # fmt: skip
-        self.inter_max = max(layer.gate_up.out_features // 2 for layer in decoder.layers)  # type: ignore[union-attr]
+        self.widest = max([decoder.hidden_size] + [w.out_features for w in projections.values()])
+        self.inter_max = max(self._out(layer.gate_up) // 2 for layer in decoder.layers)
+        self.k_max = max([decoder.hidden_size, self.inter_max, self.nq_max * decoder.head_dim])
+        self.kinds = sorted({"int8 (q8)" if w[0] else str(decoder.dtype).removeprefix("torch.")
+                             for w in projections.values()})  # fmt: skip
+
+    def _out(self, module: object) -> int:
+        return self.projections[id(module)].out_features
+
+    def _proj(self, module: object) -> _Proj:
+        kind, weight, scales, bias, _ = self.projections[id(module)]
+        return _Proj(weight.data_ptr(), _ptr(scales), _ptr(bias), kind)
 
     def _point(self, rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         d = self.decoder
         for entry, layer in zip(self.layers, d.layers, strict=True):
             cos, sin = rope[layer.rope]
-            fields = {
-                "norm1": layer.attn_in.weight, "norm2": layer.mlp_in.weight,  # type: ignore[union-attr]
-                "wqkv": layer.qkv.weight, "bqkv": layer.qkv.bias, "wo": layer.o.weight, "bo": layer.o.bias,  # type: ignore[attr-defined]
-                "wgu": layer.gate_up.weight, "bgu": layer.gate_up.bias,  # type: ignore[union-attr]
-                "wd": layer.down.weight, "bd": layer.down.bias, "cos": cos, "sin": sin,  # type: ignore[union-attr]
-            }  # fmt: skip
-            for name, tensor in fields.items():
-                setattr(entry, name, _ptr(tensor))
+            entry.norm1, entry.norm2 = layer.attn_in.weight.data_ptr(), layer.mlp_in.weight.data_ptr()  # type: ignore[union-attr]
+            entry.cos, entry.sin = cos.data_ptr(), sin.data_ptr()
+            entry.qkv, entry.o = self._proj(layer.qkv), self._proj(layer.o)
+            entry.gu, entry.down = self._proj(layer.gate_up), self._proj(layer.down)
             entry.eps1, entry.eps2 = layer.attn_in.eps, layer.mlp_in.eps  # type: ignore[union-attr]
             entry.scale = layer.attention.scale if layer.attention.scale is not None else d.head_dim**-0.5
             entry.nq, entry.nkv = layer.n_heads, layer.n_kv_heads
-            entry.inter = layer.gate_up.out_features // 2  # type: ignore[union-attr]
+            entry.inter = self._out(layer.gate_up) // 2
             entry.rot = cos.shape[-1]
             entry.window = layer.attention.window or 0
         self.rope = rope
@@ -411,15 +516,15 @@ class FusedStack:
         logits = torch.empty(1, self.vocab, dtype=d.dtype)
         threads = torch.get_num_threads()
         h, inter, nq = d.hidden_size, self.inter_max, self.nq_max
-        # the float32 step: h, q/k/v, attention, gate/up and scores; the bf16 step keeps each of its
-        # activations twice (bf16 and widened: half a float more an element) and no partial sums
-        floats = h + (2 * nq + 2 * max_kv) * head_dim + 2 * inter + nq * (cur + 1)
+        # the float32 step: h, q/k/v, attention, gate/up, scores and a quantized row; the bf16 step
+        # keeps each activation twice (bf16 and widened: half a float more an element), no partial sums
+        floats = h + (2 * nq + 2 * max_kv) * head_dim + 2 * inter + nq * (cur + 1) + self.k_max // 4 + 2
         if not self.float32:
             floats += (h + nq * head_dim + 2 * inter) // 2 + 8
         scratch = self._buffer("scratch", floats)
         args = [x.data_ptr(), self.layers, len(self.layers), h, head_dim, storage.data_ptr(), max_kv, length, cur,
-                position, d.final_norm.weight.data_ptr(), d.final_norm.eps, self.head.data_ptr(),
-                _ptr(self.head_bias), self.vocab, logits.data_ptr(), scratch.data_ptr(), nq, inter]  # fmt: skip
+                position, d.final_norm.weight.data_ptr(), d.final_norm.eps, ctypes.byref(self.head), self.vocab,
+                logits.data_ptr(), scratch.data_ptr(), nq, inter]  # fmt: skip
         if self.float32:
             args += [self._buffer("partials", threads * self.widest).data_ptr(), threads]
         else:
@@ -431,8 +536,6 @@ class FusedStack:
 
 def plan(decoder: Decoder) -> tuple[FusedStack | None, str]:
     """The fused step for this decoder, or (None, why the torch path decodes it)."""
-    from variantbench.backends.engine import _DenseT
-
     dtype = decoder.dtype
     if decoder.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None, "not float32 or bf16 on the CPU"
@@ -441,19 +544,9 @@ def plan(decoder: Decoder) -> tuple[FusedStack | None, str]:
     if decoder.residual_scale is not None or decoder.has_linear_attention:
         return None, "a residual scale or linear attention"
     fp32 = dtype == torch.float32
-
-    def plain(p: object) -> bool:  # the engine's dense weight as the step reads it, with its plain copy
-        if not isinstance(p, _DenseT) or p.weight is None or p.weight.dtype != dtype or p.transposed != fp32:
-            return False
-        return fp32 or (p.in_features % 32 == 0 and (p.bias is None or p.bias.dtype == dtype))
-
+    projections: dict[int, Weights] = {}
     rope = decoder._rope_tables(256)
     for i, layer in enumerate(decoder.layers):
-        if not all(plain(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            return (
-                None,
-                f"layer {i}'s projections are not plain {dtype} dense weights (or K is not a multiple of 32)",
-            )
         norms = (layer.attn_in, layer.mlp_in)
         if any(n is None or n.weight.dtype != dtype or (n.upcast and not fp32) for n in norms):
             return None, f"layer {i} has no pre-norms in the model's dtype"
@@ -463,15 +556,17 @@ def plan(decoder: Decoder) -> tuple[FusedStack | None, str]:
             return None, f"layer {i}'s attention scores are soft-capped or its MLP is not dense"
         if layer.n_heads % layer.n_kv_heads or rope[layer.rope][0].shape[-1] != decoder.head_dim:
             return None, f"layer {i}'s heads do not group evenly or its rotary is partial"
+        for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if (weights := _weights(proj, dtype)) is None:
+                return None, f"layer {i}'s projections are neither plain dense {dtype} weights nor int8 ones"
+            projections[id(proj)] = weights
     final = decoder.final_norm
-    if (
-        decoder.head_dim > 512
-        or not plain(decoder.lm_head)
-        or final.weight.dtype != dtype
-        or (final.upcast and not fp32)
-    ):
-        return None, "the head is not a plain dense weight in the model's dtype"
+    head = _weights(decoder.lm_head, dtype)
+    if decoder.head_dim > 512 or head is None or final.weight.dtype != dtype or (final.upcast and not fp32):
+        return None, "the head is not a plain dense or int8 weight in the model's dtype"
+    projections[id(decoder.lm_head)] = head
     fn, how = kernel(dtype)
     if fn is None:
         return None, how
-    return FusedStack(decoder, fn), how
+    stack = FusedStack(decoder, fn, projections)
+    return stack, f"{how}; {' and '.join(stack.kinds)} weights"

@@ -94,17 +94,23 @@ class Int8Linear(nn.Module):
         self.per_token = per_token
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = inner.in_features, inner.out_features
-        self._q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | bool | None = None
+        self._q8: bool | None = None
+        self._q8_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def q8_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(int8 weights [N, K], their float32 scales, the float32 bias added after): the q8 kernel's
+        copy of the weights, made once (the fused decode step reads it too)."""
+        if self._q8_copy is None:
+            bias = self.bias if self.per_token else self.inner.bias()
+            self._q8_copy = (*q8_weights(self), None if bias is None else bias.detach().float())
+        return self._q8_copy
 
     def _q8_path(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """(int8 weights [N, K], their scales, the bias) for the q8 kernel where it is chosen for this
-        shape (``q8_choice``), made on the first few-row call; None: FBGEMM."""
+        """``q8_arrays`` where the q8 kernel is chosen for this shape (``q8_choice``), decided on the
+        first few-row call; None: FBGEMM."""
         if self._q8 is None:
-            self._q8 = False
-            if q8_choice(self) == "q8":
-                bias = self.bias if self.per_token else self.inner.bias()
-                self._q8 = (*q8_weights(self), None if bias is None else bias.detach().float())
-        return self._q8 or None  # type: ignore[return-value]
+            self._q8 = q8_choice(self) == "q8"
+        return self.q8_arrays() if self._q8 else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, per_token: bool) -> Int8Linear:

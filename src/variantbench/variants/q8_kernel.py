@@ -27,7 +27,10 @@ import torch
 
 MAX_ROWS = 8  # a decode step's batch; more rows (a prompt) go to FBGEMM's GEMM
 
-SOURCE = r"""
+# What the fused decode step shares (backends/fused_decode.py): a row quantized to int8 with one
+# scale (its absolute maximum / 127, to nearest), and the int8 dot product of two rows (``maddubs`` over
+# sign-adjusted bytes, int32 sums); K % 32 == 0
+DOT_C = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
@@ -37,17 +40,30 @@ static inline int hsum(__m256i v) {
   a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
   return _mm_cvtsi128_si32(a);
 }
+static inline float quantize_row(const float* r, int K, int8_t* q) {
+  float amax = 0;
+  for (int k = 0; k < K; k++) { float a = fabsf(r[k]); if (a > amax) amax = a; }
+  float s = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / s;
+  for (int k = 0; k < K; k++) q[k] = (int8_t)nearbyintf(r[k] * inv);
+  return s;
+}
+static inline int dot_q8(const int8_t* xq, const int8_t* w, int K) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int k = 0; k < K; k += 32) {
+    __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k)), xv = _mm256_loadu_si256((const __m256i*)(xq + k));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv),
+                                                                       _mm256_sign_epi8(wv, xv)), ones));
+  }
+  return hsum(acc);
+}
+"""
+
+SOURCE = DOT_C + r"""
 /* y[M, N] = quantized x[M, K] . W[N, K]^T * scales; K % 32 == 0, M <= 8; xq, sx: M*K and M scratch */
 void q8_gemm(const float* x, int M, int K, const int8_t* W, const float* ws, float* y, int N,
              int8_t* xq, float* sx) {
-  for (int m = 0; m < M; m++) {
-    const float* r = x + (long)m * K;
-    float amax = 0;
-    for (int k = 0; k < K; k++) { float a = fabsf(r[k]); if (a > amax) amax = a; }
-    float s = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / s;
-    sx[m] = s;
-    for (int k = 0; k < K; k++) xq[(long)m * K + k] = (int8_t)nearbyintf(r[k] * inv);
-  }
+  for (int m = 0; m < M; m++) sx[m] = quantize_row(x + (long)m * K, K, xq + (long)m * K);
   const __m256i ones = _mm256_set1_epi16(1);
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++) {
