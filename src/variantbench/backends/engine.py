@@ -141,6 +141,12 @@ class _DenseT:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous())
         return self.packed
 
+    def step_weights(self, dtype: torch.dtype) -> fused_decode.Weights | None:
+        """The plain copy as the fused decode step reads it (fused_decode.StepWeights), if kept."""
+        if self.weight is None:
+            return None
+        return fused_decode.dense_weights(self.weight, self.bias, self.transposed, dtype)
+
     def drop_plain(self) -> bool:
         """Keep only the packed copy (every row count runs through it); False where there is none."""
         if not self.pack:
@@ -191,6 +197,10 @@ class _Modules:
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)
+
+    def step_weights(self, dtype: torch.dtype) -> fused_decode.Weights | None:
+        """One fused module's weights as the fused decode step reads them (int8's q8 copy), or None."""
+        return fused_decode.module_weights(self.modules[0], dtype) if len(self.modules) == 1 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:

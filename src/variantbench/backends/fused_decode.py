@@ -432,25 +432,38 @@ class Weights(NamedTuple):
     out_features: int
 
 
-def _weights(p: object, dtype: torch.dtype) -> Weights | None:
-    """A projection's weights as the step reads it, or None where it cannot:
-    the engine's dense weight in the model's dtype with its plain copy kept (float32 ``[K, N]``, bf16
-    ``[N, K]`` with K % 32 == 0), or, in a float32 model with the q8 product built, an int8 one."""
-    from variantbench.backends.engine import _DenseT, _Modules
+@runtime_checkable
+class StepWeights(Protocol):
+    """A projection that can hand the step its weights (the engine's ``_DenseT`` and ``_Modules``)."""
 
+    def step_weights(self, dtype: torch.dtype) -> Weights | None: ...
+
+
+def dense_weights(
+    weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, dtype: torch.dtype
+) -> Weights | None:
+    """A dense weight as the step reads it, or None: in the model's dtype, float32 ``[K, N]``
+    (transposed), bf16 ``[N, K]`` with K % 32 == 0 and a bf16 bias."""
     fp32 = dtype == torch.float32
-    if isinstance(p, _Modules) and len(p.modules) == 1:  # a fused module kind (int8's)
-        p = p.modules[0]
-    if isinstance(p, _DenseT):
-        if p.weight is None or p.weight.dtype != dtype or p.transposed != fp32:
-            return None
-        if not fp32 and (p.in_features % 32 or (p.bias is not None and p.bias.dtype != dtype)):
-            return None
-        return Weights(0, p.weight, None, p.bias, p.out_features)
-    if fp32 and isinstance(p, Q8Weights) and p.in_features % 32 == 0 and "HAVE_Q8" in f32_source():
-        ints, scales, bias = p.q8_arrays()
-        return Weights(1, ints, scales, bias, int(ints.shape[0]))
-    return None
+    if weight.dtype != dtype or transposed != fp32:
+        return None
+    if not fp32 and (weight.shape[1] % 32 or (bias is not None and bias.dtype != dtype)):
+        return None
+    return Weights(0, weight, None, bias, int(weight.shape[1] if fp32 else weight.shape[0]))
+
+
+def module_weights(module: object, dtype: torch.dtype) -> Weights | None:
+    """An int8 module's q8 copy in a float32 model where the q8 product is built, or None."""
+    if dtype != torch.float32 or not isinstance(module, Q8Weights) or module.in_features % 32:
+        return None
+    if "HAVE_Q8" not in f32_source():
+        return None
+    ints, scales, bias = module.q8_arrays()
+    return Weights(1, ints, scales, bias, int(ints.shape[0]))
+
+
+def _weights(p: object, dtype: torch.dtype) -> Weights | None:
+    return p.step_weights(dtype) if isinstance(p, StepWeights) else None
 
 
 class FusedStack:
