@@ -69,6 +69,7 @@ def test_the_engine_decodes_through_it_with_sdpas_numbers(
     monkeypatch.setattr(attention_kernel.Kernel, "__call__", counted)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     decoder = Decoder(model)
+    decoder._fused = None  # the operator path (batched steps, other families): fused_decode takes batch 1
     assert decoder._attn_kernel is not None
     prompt, forced = [1, 5, 9, 14, 3], [7, 2, 8, 4]
     with_kernel = decoder.teacher_forced_logits(prompt, forced)

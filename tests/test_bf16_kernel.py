@@ -72,6 +72,7 @@ def test_the_engine_takes_the_kernel_where_chosen_and_keeps_its_numbers(
     monkeypatch.setattr(bf16_kernel.Kernel, "__call__", counted)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     decoder = Decoder(model)
+    decoder._fused = None  # the operator path (batched steps, other families): fused_decode takes batch 1
     prompt, forced = [1, 5, 9, 14, 3], [7, 2, 8]
     out = {}
     for pick in ("onednn", "kernel"):
