@@ -20,6 +20,12 @@ def _built() -> None:
         pytest.skip(f"no fused decode kernel here: {how}")
 
 
+def _forget() -> None:
+    """The next decoder builds its kernels anew (under the test's CPU flags or switch)."""
+    for cached in (fused_decode.kernel, fused_decode._library, fused_decode.row_product):
+        cached.cache_clear()
+
+
 def _counted(dec: Decoder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = dec._fused.step  # type: ignore[union-attr]
@@ -108,7 +114,7 @@ def test_the_bf16_step_rounds_where_the_operator_path_rounds(
     from variantbench.backends import bf16_kernel
 
     monkeypatch.setattr(bf16_kernel, "isa", lambda: build)
-    fused_decode.kernel.cache_clear()
+    _forget()
     try:
         overrides = {"use_sliding_window": False} if family == "qwen2" else {}
         dec = Decoder(tiny_model(tiny_config(family, VOCAB, **overrides), seed=3).to(torch.bfloat16))
@@ -123,7 +129,7 @@ def test_the_bf16_step_rounds_where_the_operator_path_rounds(
         for a, b in zip(fused, ops, strict=True):
             assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
     finally:
-        fused_decode.kernel.cache_clear()
+        _forget()
 
 
 @pytest.mark.parametrize(("family", "per_token"), [("llama", True), ("qwen2", True), ("llama", False)])
@@ -161,9 +167,26 @@ def test_fp16_and_the_switch_keep_the_operator_path(monkeypatch: pytest.MonkeyPa
     model = tiny_model(tiny_config("llama", VOCAB)).to(torch.float16)
     assert Decoder(model)._fused is None
     monkeypatch.setenv("VARIANTBENCH_FUSED_DECODE", "0")
-    fused_decode.kernel.cache_clear()
+    _forget()
     try:
         dec = Decoder(tiny_model(tiny_config("llama", VOCAB)))
         assert dec._fused is None and "VARIANTBENCH_FUSED_DECODE=0" in dec.fused_how
     finally:
-        fused_decode.kernel.cache_clear()
+        _forget()
+
+
+def test_families_the_step_does_not_take_use_its_row_product_at_one_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gemma2 (GELU, soft-caps) decodes operator by operator; its float32 one-row projections run
+    through the fused library's row product (test_families holds their logits to transformers')."""
+    rows: list[int] = []
+    real = fused_decode.RowProduct.__call__
+    monkeypatch.setattr(
+        fused_decode.RowProduct, "__call__", lambda self, x, w, b: rows.append(1) or real(self, x, w, b)
+    )
+    dec = Decoder(tiny_model(tiny_config("gemma2", VOCAB)))
+    assert dec._fused is None
+    dec.generate([[5, 6, 7]], 4)
+    # 3 decode steps (4 projections a layer), and the head at each of them and after the prompt
+    assert len(rows) == 3 * 4 * len(dec.layers) + 4

@@ -33,9 +33,6 @@ import torch.nn.functional as F
 
 from variantbench.backends import attention_kernel, bf16_kernel, fused_decode, norm_kernel
 
-# Up to this many rows, a split-K batched matmul beats one matmul (see _DenseT); above it (prefill
-# of long prompts) the library's own multi-threaded GEMM wins.
-SPLIT_K_MAX_ROWS = 32
 # bf16/fp16 weights on a CPU without instructions for them (issue 42): oneDNN's bf16 product then
 # costs about 205 us per row of a 576x3072 weight, so a 512-token prompt took 106 ms against 14.6 ms
 # computed in fp32 from the weight widened for the call (fp32 weights: 14.1 ms), and bf16 prefill ran
@@ -71,16 +68,15 @@ _packed_linear_eager: Callable[..., torch.Tensor] = _packed_linear
 
 
 class _DenseT:
-    """Fused dense projection over ``cat(weights)``, stored in the layout that decodes fastest.
+    """Fused dense projection over ``cat(weights)``: the row-major ``[N, K]`` weight (its plain copy)
+    and, for float32 on the CPU, a oneDNN-packed copy for more than one row.
 
-    fp32: ``Wt = cat(weights).T`` contiguous ``[K, N]``. For the few rows of a decode step, MKL runs
-    ``x @ Wt`` on one thread; viewing ``Wt`` as ``[P, K/P, N]`` (no copy) and computing
-    ``bmm(x split in P chunks of K, Wt) .sum(0)`` puts every core on its own slice of the weights:
-    measured here 23.7 GB/s against 16.2 GB/s for ``x @ Wt`` at one row, and faster up to 32 rows.
-    bf16/fp16: the row-major ``[N, K]`` weight through ``F.linear`` (oneDNN's reduced-precision
-    kernels are multi-threaded; ``x @ Wt`` in bf16 falls to a slow reference path), and a bf16 decode
-    step's rows through our kernel where it timed faster for the shape (``bf16_kernel.py``: oneDNN
-    read bf16 weights at 27% of the bandwidth at one row, and bf16 decoded at 0.94x fp32's).
+    One row (a batch-1 decode step, where the fused step (``fused_decode.py``) does not take it):
+    float32 through the fused library's row product (each thread dots the row with its share of the
+    weight's rows: 33.5 GB/s over SmolLM2's weights, against 23.7 for the split-K ``bmm`` over a
+    transposed copy the engine ran before, and MKL's ``x @ Wt`` on one thread at 16.2); bf16 through
+    our kernel where it timed faster for the shape (``bf16_kernel.py``: oneDNN read bf16 weights at
+    27% of the bandwidth at one row, and bf16 decoded at 0.94x fp32's), else oneDNN's ``F.linear``.
 
     fp32 at 2 rows or more (a batched decode step, a prefill): MKL's GEMM repacks the weights on
     every call, so 4 rows cost 4-6x one row and batching gained nothing. A oneDNN copy of the
@@ -100,18 +96,17 @@ class _DenseT:
         with torch.no_grad():
             weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
             self.out_features, self.in_features = weight.shape
-            self.transposed = weight.dtype == torch.float32
+            self.fp32 = weight.dtype == torch.float32
             on_cpu = weight.device.type == "cpu"
-            self.pack = on_cpu and self.transposed and torch.backends.mkldnn.is_available()
+            self.pack = on_cpu and self.fp32 and torch.backends.mkldnn.is_available()
             # reduced precision with no instructions for it: prompt rows computed in fp32 (upcast_rows)
             self.upcast_rows = None if not on_cpu or native_on_cpu(weight.dtype) else UPCAST_MIN_ROWS
             # bf16 at a decode step's rows: our kernel where it beats oneDNN (bf16_kernel.py)
-            self.bf16_kernel = on_cpu and not self.transposed and bf16_kernel.usable(weight)
+            self.bf16_kernel = on_cpu and not self.fp32 and bf16_kernel.usable(weight)
+            # fp32 at one row: the fused library's row product (None: no compiler, or switched off)
+            self.row_product = fused_decode.row_product() if on_cpu and self.fp32 else None
             self.packed: torch.Tensor | None = None  # the oneDNN copy
-            self.weight: torch.Tensor | None = None  # the plain copy (x @ weight, split-K, lookups)
-            self.weight_split: torch.Tensor | None = None
-            self.split = 1
-            self._keep_plain(weight, threads or torch.get_num_threads(), on_cpu)
+            self.weight: torch.Tensor | None = weight.contiguous()  # the plain copy (one row, lookups)
             biases = [lin.bias for lin in linears]
             if all(b is None for b in biases):
                 self.bias = None
@@ -123,41 +118,30 @@ class _DenseT:
                     ]
                 )
 
-    def _keep_plain(self, weight: torch.Tensor, threads: int, on_cpu: bool) -> None:
-        self.weight = weight.t().contiguous() if self.transposed else weight.contiguous()
-        self.split = (
-            threads if on_cpu and self.transposed and threads > 1 and self.in_features % threads == 0 else 1
-        )
-        self.weight_split = (
-            self.weight.view(self.split, self.in_features // self.split, self.out_features)
-            if self.split > 1
-            else None
-        )
-
     def _ensure_packed(self) -> torch.Tensor:
         if self.packed is None:
             assert self.weight is not None
             with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous())
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         return self.packed
 
     def step_weights(self, dtype: torch.dtype) -> fused_decode.Weights | None:
         """The plain copy as the fused decode step reads it (fused_decode.StepWeights), if kept."""
         if self.weight is None:
             return None
-        return fused_decode.dense_weights(self.weight, self.bias, self.transposed, dtype)
+        return fused_decode.dense_weights(self.weight, self.bias, dtype)
 
     def drop_plain(self) -> bool:
         """Keep only the packed copy (every row count runs through it); False where there is none."""
         if not self.pack:
             return False
         self._ensure_packed()
-        self.weight = self.weight_split = None
+        self.weight = None
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not self.transposed:
+        if not self.fp32:
             if (
                 self.bf16_kernel
                 and rows <= bf16_kernel.MAX_ROWS
@@ -178,18 +162,10 @@ class _DenseT:
             linear = _packed_linear_eager if torch.compiler.is_compiling() else _packed_linear
             out = linear(x.reshape(rows, self.in_features), self.packed, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.weight_split is not None and rows <= SPLIT_K_MAX_ROWS:
-            chunk = self.in_features // self.split
-            if rows == 1:  # the decode step at batch 1: a plain view, no transpose
-                parts = x.reshape(self.split, 1, chunk)
-            else:
-                parts = x.reshape(rows, self.split, chunk).transpose(0, 1)
-            out = torch.bmm(parts, self.weight_split).sum(0).view(*x.shape[:-1], self.out_features)
-        else:
-            out = x @ self.weight
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        if rows == 1 and self.row_product is not None and not torch.compiler.is_compiling():
+            out = self.row_product(x.reshape(self.in_features).contiguous(), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
 
 
 class _Modules:
@@ -972,10 +948,7 @@ class Decoder:
         else:
             head = self.lm_head
             assert isinstance(head, _DenseT)
-            if head.transposed:  # [hidden, vocab]: gather columns
-                x = head.weight.index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, -1)
-            else:
-                x = F.embedding(ids, head.weight)
+            x = F.embedding(ids, head.weight)
         return x if self.embed_scale is None else x * self.embed_scale
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

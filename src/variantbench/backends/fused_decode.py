@@ -12,8 +12,8 @@ the layer has one, SiLU-gated MLP) and the final norm and vocabulary head inside
 region, reading the engine's own weights in place; the phases meet at barriers (about a microsecond
 on 2 cores). Three weight kinds, each product as the operator path computes it:
 
-* float32 (``_DenseT``'s transposed ``[K, N]`` copy): each thread streams one contiguous slab of
-  rows into partial sums, then the partials are added by column (``gemv``);
+* float32 (``_DenseT``'s row-major ``[N, K]`` copy): each thread dots the input with its own
+  contiguous share of the weight's rows, one sequential stream (``gemv``);
 * bf16 (``[N, K]``, the model in bf16): each thread its slab of output rows through the bf16 dot
   product of ``bf16_kernel.DOT_C`` (AVX-512 BF16 or AVX2), every activation rounded to bf16 where
   the operator path rounds it, so both decode the same tokens (bit-equal logits measured on tiny
@@ -84,53 +84,39 @@ static inline void share(int n, int align, int* lo, int* hi) {
 """
 F32_C = r"""static inline float rms_scale(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
 
-/* y = x . W (+ b) (+ y where acc) for a row-major [K, N] weight, inside the parallel region: each thread
-   sums its own contiguous rows [k0, k1) (share(K, 8): the x[k] of those rows are all it reads, so a
-   caller fills only those) into its partial [N], eight rows a pass, then each sums the partials of
-   its share of the columns. A thread thus streams one contiguous slab of the weight: 28.6 GB/s over
-   SmolLM2's per-token weights against 25.2 GB/s for a split of the columns (each thread reading a
-   strided part of every row), a 33.3 GB/s read probe, 2 AVX-512 cores, 15 interleaved repeats. */
-static void gemv(const float* x, int K, const float* W, const float* b, float* y, int N, int acc, float* partials) {
-  int k0, k1, c0, c1;
-  share(K, 8, &k0, &k1);
-  int nth = omp_get_num_threads();
-  float* part = partials + (long)omp_get_thread_num() * N;
-  for (int c = 0; c < N; c++) part[c] = 0.f;
-  int k = k0;
-  for (; k + 8 <= k1; k += 8) {
-    const float *w0 = W + (long)k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-    const float *w4 = w3 + N, *w5 = w4 + N, *w6 = w5 + N, *w7 = w6 + N;
-    float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3], x4 = x[k + 4], x5 = x[k + 5], x6 = x[k + 6],
-          x7 = x[k + 7];
-    for (int c = 0; c < N; c++)
-      part[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c] + x4 * w4[c] + x5 * w5[c] + x6 * w6[c] + x7 * w7[c];
+/* y = x . W^T (+ b) (+ y where acc) for a row-major [N, K] float32 weight, inside the parallel region:
+   each thread dots x with its own contiguous share of the rows, one sequential stream through the
+   weight. Over SmolLM2's per-token weights (538 MB, 2 AVX-512 cores, 9 interleaved repeats) it read
+   33.5 GB/s (up to 47.0 in a fast hour of the host) against 32.3 (never above 33.4) for a [K, N]
+   layout split by rows of K into partial sums with eight weight rows streamed at once, and 25.2 for
+   that layout split by columns; the read probe 35.0 GB/s (llama.cpp's F32, a dot form too, read at
+   110% of it). */
+static void gemv(const float* x, int K, const float* W, const float* b, float* y, int N, int acc) {
+  int n0, n1;
+  share(N, 1, &n0, &n1);
+  for (int n = n0; n < n1; n++) {
+    float v = dot(x, W + (long)n * K, K) + (b ? b[n] : 0.f);
+    y[n] = acc ? y[n] + v : v;
   }
-  for (; k < k1; k++) {
-    const float* w0 = W + (long)k * N;
-    float x0 = x[k];
-    for (int c = 0; c < N; c++) part[c] += x0 * w0[c];
-  }
-  #pragma omp barrier
-  share(N, 16, &c0, &c1);
-  for (int c = c0; c < c1; c++) {
-    float v = (acc ? y[c] : 0.f) + (b ? b[c] : 0.f);
-    for (int t = 0; t < nth; t++) v += partials[(long)t * N + c];
-    y[c] = v;
-  }
+}
+
+/* the operator path's one-row float32 product (a batch-1 step the fused one does not take) */
+void gemv_f32(const float* x, int K, const float* W, const float* b, float* y, int N, int threads) {
+  #pragma omp parallel num_threads(threads)
+  gemv(x, K, W, b, y, N, 0);
 }
 
 /* y = x . W (+ b) (+ y where acc) through the projection's own weights: float32 (gemv) or int8
    (q8: x quantized per token with one scale, as variants/q8_kernel.py computes it, every output row
    dotted in int32 by the thread whose share it is). xq, sx: K int8 and one float of shared scratch. */
-static void project(const proj_t* p, const float* x, int K, float* y, int N, int acc, float* partials, int8_t* xq,
-                    float* sx) {
+static void project(const proj_t* p, const float* x, int K, float* y, int N, int acc, int8_t* xq, float* sx) {
+  #pragma omp barrier /* every row of x written */
   if (p->kind == 0) {
-    gemv(x, K, (const float*)p->w, (const float*)p->bias, y, N, acc, partials);
+    gemv(x, K, (const float*)p->w, (const float*)p->bias, y, N, acc);
     return;
   }
 #ifdef HAVE_Q8
   int n0, n1;
-  #pragma omp barrier /* every row of x written */
   #pragma omp single
   *sx = quantize_row(x, K, xq);
   share(N, 1, &n0, &n1);
@@ -144,7 +130,7 @@ static void project(const proj_t* p, const float* x, int K, float* y, int N, int
 #endif
 }
 
-/* h[k] = x[k] * rms * w[k] for this thread's rows of the next product (x whole: every thread takes its norm) */
+/* h[k] = x[k] * rms * w[k] for this thread's share of the rows (x whole: every thread takes its norm) */
 static inline void norm_rows(const float* x, const float* w, float eps, int H, float* h) {
   int k0, k1;
   share(H, 8, &k0, &k1);
@@ -163,11 +149,10 @@ static inline void rope(float* v, const float* cos, const float* ssin, int d) {
 /* One token through every layer, the final norm and the head, on at most `threads` threads.
    x [H]: the embedded token in, the last hidden state out. kv: the cache storage
    [layers, 2, 1, max_kv, length, D] float32; pos: this token's slot (its rope row is rope_pos).
-   scratch: H + 2 (nq_max + kv_max) D + 2 inter_max + nq_max (pos + 1) + k_max / 4 + 2 floats;
-   partials: threads * n_max. */
+   scratch: H + 2 (nq_max + kv_max) D + 2 inter_max + nq_max (pos + 1) + k_max / 4 + 2 floats. */
 void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, float* kv, int max_kv,
                   int length, int pos, int rope_pos, const float* final_norm, float final_eps, const proj_t* head,
-                  int vocab, float* logits, float* scratch, int nq_max, int inter_max, float* partials, int threads) {
+                  int vocab, float* logits, float* scratch, int nq_max, int inter_max, int threads) {
   float* h = scratch;
   float* qkv = h + H;
   float* att = qkv + (long)(nq_max + 2 * max_kv) * D;
@@ -186,7 +171,7 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
       const float* cos = (const float*)L->cos + (long)rope_pos * L->rot;
       const float* ssin = (const float*)L->sin + (long)rope_pos * L->rot;
       norm_rows(x, (const float*)L->norm1, L->eps1, H, h);
-      project(&L->qkv, h, H, qkv, (nq + 2 * nkv) * D, 0, partials, xq, sx);
+      project(&L->qkv, h, H, qkv, (nq + 2 * nkv) * D, 0, xq, sx);
       #pragma omp barrier
       #pragma omp single
       for (int j = 0; j < nkv; j++) {
@@ -213,18 +198,18 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
           for (int c = 0; c < D; c++) o[c] += w * vt[c];
         }
       }
-      project(&L->o, att, nq * D, x, H, 1, partials, xq, sx); /* the residual sum in place */
+      project(&L->o, att, nq * D, x, H, 1, xq, sx); /* the residual sum in place */
       #pragma omp barrier
       norm_rows(x, (const float*)L->norm2, L->eps2, H, h);
-      project(&L->gu, h, H, gu, 2 * L->inter, 0, partials, xq, sx);
+      project(&L->gu, h, H, gu, 2 * L->inter, 0, xq, sx);
       #pragma omp barrier
       share(L->inter, 8, &k0, &k1); /* SiLU(gate) * up for this thread's rows of the down product */
       for (int i = k0; i < k1; i++) gu[i] = gu[i] / (1.f + expf(-gu[i])) * gu[L->inter + i];
-      project(&L->down, gu, L->inter, x, H, 1, partials, xq, sx);
+      project(&L->down, gu, L->inter, x, H, 1, xq, sx);
       #pragma omp barrier
     }
     norm_rows(x, final_norm, final_eps, H, h);
-    project(head, h, H, logits, vocab, 0, partials, xq, sx);
+    project(head, h, H, logits, vocab, 0, xq, sx);
   }
 }
 """
@@ -401,27 +386,61 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_
 
 
 @functools.cache
-def kernel(dtype: torch.dtype = torch.float32) -> tuple[Any, str]:
-    """(the compiled step for ``dtype``, how it was had) or (None, why not): compiled once, cached.
+def _library(dtype: torch.dtype) -> tuple[Any, str]:
+    """(the compiled library for ``dtype``, how it was had: its ISA and file) or (None, why not).
     float32: plain C loops the compiler vectorizes (and the q8 product with AVX2); bf16: the widest bf16
     dot product this CPU runs (``bf16_kernel.DOT_C``: AVX-512 BF16, else AVX2)."""
     if dtype == torch.float32:
         lib, how = native.load("fused_decode", f32_source(), FLAGS + native.vector_flags(), SWITCH)
-        name, isa, extra = "fused_decode", "fp32", [ctypes.c_void_p, ctypes.c_int]
-    elif dtype == torch.bfloat16:
+        return lib, f"fp32 ({how})"
+    if dtype == torch.bfloat16:
         widest = bf16_kernel.isa()
         if widest is None:
             return None, "this CPU has neither AVX-512 BF16 nor AVX2"
         lib, how = native.load("fused_decode_bf16", BF16_SOURCE, FLAGS + widest[1], SWITCH)
-        name, isa, extra = "fused_decode_bf16", f"{widest[0]} bf16", [ctypes.c_int]
-    else:
-        return None, f"no fused step for {dtype}"
+        return lib, f"{widest[0]} bf16 ({how})"
+    return None, f"no fused step for {dtype}"
+
+
+@functools.cache
+def kernel(dtype: torch.dtype = torch.float32) -> tuple[Any, str]:
+    """(the compiled step for ``dtype``, how it was had) or (None, why not): compiled once, cached."""
+    lib, how = _library(dtype)
     if lib is None:
         return None, how
-    fn = getattr(lib, name)
+    fn = lib.fused_decode if dtype == torch.float32 else lib.fused_decode_bf16
     fn.restype = None
-    fn.argtypes = _ARGS + extra
-    return fn, f"fused {isa} decode kernel ({how})"
+    fn.argtypes = _ARGS + [ctypes.c_int]
+    return fn, f"fused {how.replace(' (', ' decode kernel (', 1)}"
+
+
+class RowProduct:
+    """The float32 library's one-row product ``y = x . W^T + b`` over a row-major ``[N, K]`` weight:
+    the operator path's batch-1 projections (families the fused step does not take, the diagnosis's
+    profiled step) stream the weights as the fused step does. MKL's ``F.linear`` ran one row on one
+    thread; the engine's earlier split-K ``bmm`` over a transposed copy read 23.7 GB/s."""
+
+    def __init__(self, lib: Any) -> None:
+        fn = lib.gemv_f32
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int]  # fmt: skip
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [K] or [1, K] float32 contiguous; ``weight`` [N, K] float32 contiguous; returns [N]."""
+        n, k = weight.shape
+        y = torch.empty(n)
+        with native.labelled("f32_gemm"):
+            self.fn(x.data_ptr(), k, weight.data_ptr(), _ptr(bias), y.data_ptr(), n, torch.get_num_threads())
+        return y
+
+
+@functools.cache
+def row_product() -> RowProduct | None:
+    """The one-row float32 product where the library builds here, else None (torch's ``F.linear``)."""
+    lib, _ = _library(torch.float32)
+    return None if lib is None else RowProduct(lib)
 
 
 class Weights(NamedTuple):
@@ -439,17 +458,14 @@ class StepWeights(Protocol):
     def step_weights(self, dtype: torch.dtype) -> Weights | None: ...
 
 
-def dense_weights(
-    weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, dtype: torch.dtype
-) -> Weights | None:
-    """A dense weight as the step reads it, or None: in the model's dtype, float32 ``[K, N]``
-    (transposed), bf16 ``[N, K]`` with K % 32 == 0 and a bf16 bias."""
-    fp32 = dtype == torch.float32
-    if weight.dtype != dtype or transposed != fp32:
+def dense_weights(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Weights | None:
+    """A row-major ``[N, K]`` dense weight as the step reads it, or None: in the model's dtype, its
+    bias too; bf16 with K % 32 == 0 (the bf16 dot product's step)."""
+    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or weight.dim() != 2:
         return None
-    if not fp32 and (weight.shape[1] % 32 or (bias is not None and bias.dtype != dtype)):
+    if dtype == torch.bfloat16 and weight.shape[1] % 32:
         return None
-    return Weights(0, weight, None, bias, int(weight.shape[1] if fp32 else weight.shape[0]))
+    return Weights(0, weight, None, bias, int(weight.shape[0]))
 
 
 def module_weights(module: object, dtype: torch.dtype) -> Weights | None:
@@ -480,8 +496,6 @@ class FusedStack:
         self.vocab = projections[id(decoder.lm_head)].out_features
         self.nq_max = max(layer.n_heads for layer in decoder.layers)
         self.buffers: dict[str, torch.Tensor] = {}
-        # the widest product's output: each thread's partial sums of it (the float32 step's gemv)
-        self.widest = max([decoder.hidden_size] + [w.out_features for w in projections.values()])
         self.inter_max = max(self._out(layer.gate_up) // 2 for layer in decoder.layers)
         self.k_max = max([decoder.hidden_size, self.inter_max, self.nq_max * decoder.head_dim])
         self.kinds = sorted({"int8 (q8)" if w[0] else str(decoder.dtype).removeprefix("torch.")
@@ -538,10 +552,7 @@ class FusedStack:
         args = [x.data_ptr(), self.layers, len(self.layers), h, head_dim, storage.data_ptr(), max_kv, length, cur,
                 position, d.final_norm.weight.data_ptr(), d.final_norm.eps, ctypes.byref(self.head), self.vocab,
                 logits.data_ptr(), scratch.data_ptr(), nq, inter]  # fmt: skip
-        if self.float32:
-            args += [self._buffer("partials", threads * self.widest).data_ptr(), threads]
-        else:
-            args += [threads]
+        args.append(threads)
         with native.labelled("fused_decode_layers"):
             self.fn(*args)
         return logits.float()
