@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from variantbench.compute import on_compute
 from variantbench.metrics.latency import percentile
 
 DEFAULT_CTX = 512
@@ -73,6 +74,7 @@ def scored_log_probs(backend: Any, chunk: list[int]) -> Any:
     return backend.token_log_probs(chunk)[first:-1]
 
 
+@on_compute  # its torch ops on the engine's thread: a second OpenMP pool slows every decode step after
 def measure(backend: Any, spec: FidelitySpec, is_standard: bool) -> dict[str, float | int | str | None]:
     """Perplexity, KL mean/p99 and top-1 agreement of a loaded backend with ``token_log_probs``."""
     import torch

@@ -36,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from variantbench.compute import on_compute
 from variantbench.errors import SampleNotScored
 
 TOP_K = 256
@@ -171,6 +172,7 @@ def kl_from_top_k(standard: dict[str, Any], positions: Any) -> tuple[list[float]
     return kl.clamp(min=0).tolist(), agree.tolist()
 
 
+@on_compute  # its torch ops on the engine's thread: a second OpenMP pool slows every decode step after
 def measure(backend: Any, samples: Sequence[Any], spec: LikelihoodSpec, is_standard: bool,
             prompt_of: Callable[[Any], list[int]]) -> dict[str, Any]:  # fmt: skip
     """Every sample's likelihood scores (and, beside the standard's kept distributions, its KL)."""
