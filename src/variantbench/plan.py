@@ -442,7 +442,7 @@ class ServePlan(_Section):
     ttft_slo_ms: float = Field(500.0, ge=0, description="priority 0's first-token objective (ms): less urgent prefill yields to it; 0: none")  # fmt: skip
     kv_cache: Literal["paged", "contiguous"] = Field("paged", description="torch engine: paged (blocks from a pool, memory as used) or contiguous")  # fmt: skip
     kv_cache_gb: float | None = Field(None, gt=0, description="GiB the KV cache may hold (default: 80% of the memory available once the weights are loaded)")  # fmt: skip
-    weight_layout: Literal["packed", "packed+split"] = Field("packed", description="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split (one row decodes ~10% faster, +0.8x the weights)")  # fmt: skip
+    weight_layout: Literal["packed", "packed+split"] = Field("packed", description="torch engine, fp32 on CPU: packed (one copy of the weights) or packed+split (the plain copy too: one row decodes faster, +0.8x the weights)")  # fmt: skip
     # who may call it (issue 41): a key on every endpoint but the public ones, and only the names it is
     # reached by, so a web page the user visits can neither post to it nor read it (DNS rebinding)
     priority_levels: int = Field(3, ge=1, le=16, description="priority levels a request may ask for: 0 (most urgent) to N-1; any other is refused with 400")  # fmt: skip
