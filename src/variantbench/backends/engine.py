@@ -92,7 +92,7 @@ class _DenseT:
     measures) and ``serve`` keeps one by default (``--weight-layout``).
     """
 
-    def __init__(self, linears: Sequence[nn.Linear], threads: int | None = None) -> None:
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
         with torch.no_grad():
             weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
             self.out_features, self.in_features = weight.shape

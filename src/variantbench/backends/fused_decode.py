@@ -543,7 +543,7 @@ class FusedStack:
         threads = torch.get_num_threads()
         h, inter, nq = d.hidden_size, self.inter_max, self.nq_max
         # the float32 step: h, q/k/v, attention, gate/up, scores and a quantized row; the bf16 step
-        # keeps each activation twice (bf16 and widened: half a float more an element), no partial sums
+        # keeps each activation twice (bf16 and widened: half a float more an element)
         floats = h + (2 * nq + 2 * max_kv) * head_dim + 2 * inter + nq * (cur + 1) + self.k_max // 4 + 2
         if not self.float32:
             floats += (h + nq * head_dim + 2 * inter) // 2 + 8
