@@ -73,6 +73,27 @@ typedef struct {
   int window;               /* a sliding window's length (the query and window - 1 keys before it); 0: none */
 } layer_t;
 
+/* layer l's views, in the step's element type T: its keys and values in the cache storage
+   [layers, 2, 1, max_kv, length, D] (kc, vc) and its rotary rows at rope_pos (cos, ssin) */
+#define LAYER_VIEWS(T)                                                  \
+  T* kc = kv + (long)l * 2 * max_kv * length * D;                       \
+  T* vc = kc + (long)max_kv * length * D;                               \
+  const T* cos = (const T*)L->cos + (long)rope_pos * L->rot;            \
+  const T* ssin = (const T*)L->sin + (long)rope_pos * L->rot
+
+/* one thread rotates the layer's new keys and stores them and the values at slot pos */
+#define STORE_KV(T, ROPE)                                                                   \
+  _Pragma("omp single")                                                                     \
+  for (int j = 0; j < nkv; j++) {                                                           \
+    T* k = qkv + (long)(nq + j) * D;                                                        \
+    ROPE(k, cos, ssin, D);                                                                  \
+    memcpy(kc + ((long)j * length + pos) * D, k, sizeof(T) * D);                            \
+    memcpy(vc + ((long)j * length + pos) * D, qkv + (long)(nq + nkv + j) * D, sizeof(T) * D); \
+  }
+
+/* the first key a query at T - 1 sees: a sliding window's start, else 0 */
+static inline int window_start(const layer_t* L, int T) { return L->window > 0 && T > L->window ? T - L->window : 0; }
+
 /* this thread's share [*lo, *hi) of n items, in multiples of align */
 static inline void share(int n, int align, int* lo, int* hi) {
   int nth = omp_get_num_threads(), id = omp_get_thread_num();
@@ -166,27 +187,18 @@ void fused_decode(float* x, const layer_t* layers, int n_layers, int H, int D, f
     for (int l = 0; l < n_layers; l++) {
       const layer_t* L = layers + l;
       int nq = L->nq, nkv = L->nkv, G = nq / nkv, k0, k1;
-      float* kc = kv + (long)l * 2 * max_kv * length * D;
-      float* vc = kc + (long)max_kv * length * D;
-      const float* cos = (const float*)L->cos + (long)rope_pos * L->rot;
-      const float* ssin = (const float*)L->sin + (long)rope_pos * L->rot;
+      LAYER_VIEWS(float);
       norm_rows(x, (const float*)L->norm1, L->eps1, H, h);
       project(&L->qkv, h, H, qkv, (nq + 2 * nkv) * D, 0, xq, sx);
       #pragma omp barrier
-      #pragma omp single
-      for (int j = 0; j < nkv; j++) {
-        float* k = qkv + (long)(nq + j) * D;
-        rope(k, cos, ssin, D);
-        memcpy(kc + ((long)j * length + pos) * D, k, sizeof(float) * D);
-        memcpy(vc + ((long)j * length + pos) * D, qkv + (long)(nq + nkv + j) * D, sizeof(float) * D);
-      }
+      STORE_KV(float, rope);
       #pragma omp for schedule(static)
       for (int i = 0; i < nq; i++) {
         float* q = qkv + (long)i * D;
         rope(q, cos, ssin, D);
         const float* kh = kc + (long)(i / G) * length * D;
         const float* vh = vc + (long)(i / G) * length * D;
-        int t0 = L->window > 0 && T > L->window ? T - L->window : 0;
+        int t0 = window_start(L, T);
         float* s = scores + (long)i * T;
         for (int t = t0; t < T; t++) s[t] = dot(q, kh + (long)t * D, D) * L->scale;
         float inv = softmax_exp(s + t0, T - t0);
@@ -276,21 +288,12 @@ void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, 
     for (int l = 0; l < n_layers; l++) {
       const layer_t* L = layers + l;
       int nq = L->nq, nkv = L->nkv, G = nq / nkv, k0, k1;
-      uint16_t* kc = kv + (long)l * 2 * max_kv * length * D;
-      uint16_t* vc = kc + (long)max_kv * length * D;
-      const uint16_t* cos = (const uint16_t*)L->cos + (long)rope_pos * L->rot;
-      const uint16_t* ssin = (const uint16_t*)L->sin + (long)rope_pos * L->rot;
+      LAYER_VIEWS(uint16_t);
       norm_b(x, (const uint16_t*)L->norm1, L->eps1, H, hb, hf);
       #pragma omp barrier
       gemv_b(hb, hf, H, (const uint16_t*)L->qkv.w, (const uint16_t*)L->qkv.bias, qkv, NULL, (nq + 2 * nkv) * D, 0);
       #pragma omp barrier
-      #pragma omp single
-      for (int j = 0; j < nkv; j++) {
-        uint16_t* k = qkv + (long)(nq + j) * D;
-        rope_b(k, cos, ssin, D);
-        memcpy(kc + ((long)j * length + pos) * D, k, sizeof(uint16_t) * D);
-        memcpy(vc + ((long)j * length + pos) * D, qkv + (long)(nq + nkv + j) * D, sizeof(uint16_t) * D);
-      }
+      STORE_KV(uint16_t, rope_b);
       #pragma omp for schedule(static)
       for (int i = 0; i < nq; i++) {
         uint16_t* q = qkv + (long)i * D;
@@ -299,7 +302,7 @@ void fused_decode_bf16(uint16_t* x, const layer_t* layers, int n_layers, int H, 
         for (int c = 0; c < D; c++) qf[c] = from_bf16(q[c]);
         const uint16_t* kh = kc + (long)(i / G) * length * D;
         const uint16_t* vh = vc + (long)(i / G) * length * D;
-        int t0 = L->window > 0 && T > L->window ? T - L->window : 0;
+        int t0 = window_start(L, T);
         float* s = scores + (long)i * T;
         for (int t = t0; t < T; t++) { /* each key widened, then dot's 8 sums (one sum would not vectorize) */
           const uint16_t* kt = kh + (long)t * D;
