@@ -38,21 +38,21 @@ def test_one_weight_copy_decodes_the_same_tokens(fixture: str, request: pytest.F
     decoder = Decoder(model)
     del model
     if not torch.backends.mkldnn.is_available():
-        assert decoder.drop_split_copies() == 0  # nothing packed: the plain copy is the only one
+        assert decoder.drop_plain_copies() == 0  # nothing packed: the plain copy is the only one
         return
     plain = sum(
         p.weight.numel() * 4
         for layer in decoder.layers
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
-    assert decoder.drop_split_copies() == plain
+    assert decoder.drop_plain_copies() == plain
     assert all(p.weight is None and p.packed is not None
                for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))  # fmt: skip
     assert decoder.lm_head.weight is not None  # the head keeps the copy tied embeddings look up
     assert decoder.generate(PROMPTS, 16).token_ids == expected  # several rows
     for prompt, want in zip(PROMPTS, expected, strict=True):
         assert decoder.generate([prompt], 16).token_ids[0] == want  # one row
-    assert decoder.drop_split_copies() == 0
+    assert decoder.drop_plain_copies() == 0
 
 
 def test_timings_are_ordered_and_positive(tiny_model_dir) -> None:

@@ -76,7 +76,7 @@ def test_batches_masks_and_one_weight_copy_take_the_operator_path(monkeypatch: p
     assert len(calls) == 14
     assert dec.generate([[5, 6, 7, 8], [9, 10]], 8).token_ids == alone  # a padded batch: masked
     assert len(calls) == 14
-    dec.drop_split_copies()  # a server's one packed copy: the kernel reads the plain one
+    dec.drop_plain_copies()  # a server's one packed copy: the kernel reads the plain one
     assert dec._fused is None and "operator by operator" in dec.batch1_step
     assert dec.generate([[5, 6, 7, 8]], 8).token_ids[0] == alone[0]
 

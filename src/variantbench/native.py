@@ -32,8 +32,10 @@ EVICT_BYTES = 64 << 20
 
 # What the kernels' C sources share: bf16 <-> float32, rounding to nearest even as torch does (a NaN
 # stays a NaN), a float32 dot product in 8 partial sums (a loop the compiler vectorizes without
-# reordering one sum), and a softmax's exponentials (a polynomial exp of the scores less their maximum)
+# reordering one sum), an RMSNorm's scale, and a softmax's exponentials (a polynomial exp of the scores
+# less their maximum)
 HELPERS_C = r"""
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 static inline uint16_t to_bf16(float f) {
@@ -70,6 +72,8 @@ static inline float dot(const float* a, const float* b, int d) {
   for (int j = 0; j < 8; j++) s += acc[j];
   return s;
 }
+/* 1 / the root mean square of v (plus eps): an RMSNorm's scale */
+static inline float inv_rms(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
 /* s[0..T) <- exp(s - max(s)); returns 1 / their sum */
 static inline float softmax_exp(float* s, int T) {
   float m = s[0];

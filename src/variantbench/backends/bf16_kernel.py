@@ -77,51 +77,45 @@ SOURCE = (
     + r"""
 #include <stdint.h>
 #include <string.h>
+/* sums[m] = x[m] . w for M rows (2 <= M <= 8), one weight row read once for all of them */
+static inline void rows_dot(const uint16_t* x, const float* xf, int M, int K, const uint16_t* w, float* sums) {
+#ifdef __AVX512BF16__
+  (void)xf;
+  __m512 acc[8];
+  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; m++)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + (long)m * K + k), wv);
+  }
+  for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+  (void)x;
+  __m256 acc[8];
+  for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+  for (int k = 0; k < K; k += 8) {
+    __m256 wv = widen8(w + k);
+    for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (long)m * K + k), wv, acc[m]);
+  }
+  for (int m = 0; m < M; m++) sums[m] = hsum8(acc[m]);
+#endif
+}
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out, float32 sums; K % 32 == 0, M <= 8;
-   xf: M * K floats of scratch (the AVX2 path's widened activations) */
+   xf: M * K floats of scratch (the AVX2 build's widened activations) */
 void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* W, const uint16_t* bias, uint16_t* y,
                int N, float* xf) {
-#ifdef __AVX512BF16__
-  #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; n++) {
-    const uint16_t* w = W + (long)n * K;
-    float sums[8];
-    if (M == 1) {
-      sums[0] = dot_bf16(x, xf, w, K);
-    } else {
-      __m512 acc[8];
-      for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-      for (int k = 0; k < K; k += 32) {
-        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-        for (int m = 0; m < M; m++)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + (long)m * K + k), wv);
-      }
-      for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
-    }
-    float b = bias ? from_bf16(bias[n]) : 0.f;
-    for (int m = 0; m < M; m++) y[(long)m * N + n] = to_bf16(sums[m] + b);
-  }
-#else
+#ifndef __AVX512BF16__
   for (long i = 0; i < (long)M * K; i++) xf[i] = from_bf16(x[i]);
+#endif
   #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++) {
     const uint16_t* w = W + (long)n * K;
     float sums[8];
-    if (M == 1) {
-      sums[0] = dot_bf16(x, xf, w, K);
-    } else {
-      __m256 acc[8];
-      for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-      for (int k = 0; k < K; k += 8) {
-        __m256 wv = widen8(w + k);
-        for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (long)m * K + k), wv, acc[m]);
-      }
-      for (int m = 0; m < M; m++) sums[m] = hsum8(acc[m]);
-    }
+    if (M == 1) sums[0] = dot_bf16(x, xf, w, K);
+    else rows_dot(x, xf, M, K, w, sums);
     float b = bias ? from_bf16(bias[n]) : 0.f;
     for (int m = 0; m < M; m++) y[(long)m * N + n] = to_bf16(sums[m] + b);
   }
-#endif
 }
 """
 )

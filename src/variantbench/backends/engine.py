@@ -609,7 +609,7 @@ class Decoder:
             **norms,
         )
 
-    def drop_split_copies(self) -> int:
+    def drop_plain_copies(self) -> int:
         """Each layer keeps only its packed weights (see ``_DenseT``); the vocabulary head keeps
         both, as tied embeddings look tokens up in its plain copy. Returns the bytes freed.
         A compiled step keeps both: the packed op runs outside its graph, so every row would."""

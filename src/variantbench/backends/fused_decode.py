@@ -103,8 +103,7 @@ static inline void share(int n, int align, int* lo, int* hi) {
 }
 
 """
-F32_C = r"""static inline float rms_scale(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
-
+F32_C = r"""
 /* y = x . W^T (+ b) (+ y where acc) for a row-major [N, K] float32 weight, inside the parallel region:
    each thread dots x with its own contiguous share of the rows, one sequential stream through the
    weight. Over SmolLM2's per-token weights (538 MB, 2 AVX-512 cores, 9 interleaved repeats) it read
@@ -155,7 +154,7 @@ static void project(const proj_t* p, const float* x, int K, float* y, int N, int
 static inline void norm_rows(const float* x, const float* w, float eps, int H, float* h) {
   int k0, k1;
   share(H, 8, &k0, &k1);
-  float r = rms_scale(x, H, eps);
+  float r = inv_rms(x, H, eps);
   for (int k = k0; k < k1; k++) h[k] = x[k] * r * w[k];
 }
 
@@ -344,9 +343,14 @@ FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 SWITCH = "VARIANTBENCH_FUSED_DECODE"
 
 
+def q8_built() -> bool:
+    """Whether the float32 library has the q8 product (int8 projections): it is built with AVX2."""
+    return "-mavx2" in native.vector_flags()
+
+
 def f32_source() -> str:
-    """The float32 step's source, with the q8 product where the build has AVX2 (int8 projections)."""
-    q8 = "#define HAVE_Q8 1\n" + q8_kernel.DOT_C if "-mavx2" in native.vector_flags() else ""
+    """The float32 step's source, with the q8 product where the build has AVX2."""
+    q8 = "#define HAVE_Q8 1\n" + q8_kernel.DOT_C if q8_built() else ""
     return native.HELPERS_C + q8 + COMMON_C + F32_C
 
 
@@ -463,7 +467,7 @@ class StepWeights(Protocol):
 def dense_weights(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Weights | None:
     """A row-major ``[N, K]`` dense weight as the step reads it, or None: in the model's dtype, its
     bias too; bf16 with K % 32 == 0 (the bf16 dot product's step)."""
-    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or weight.dim() != 2:
+    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
         return None
     if dtype == torch.bfloat16 and weight.shape[1] % 32:
         return None
@@ -472,9 +476,7 @@ def dense_weights(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.
 
 def module_weights(module: object, dtype: torch.dtype) -> Weights | None:
     """An int8 module's q8 copy in a float32 model where the q8 product is built, or None."""
-    if dtype != torch.float32 or not isinstance(module, Q8Weights) or module.in_features % 32:
-        return None
-    if "HAVE_Q8" not in f32_source():
+    if dtype != torch.float32 or not isinstance(module, Q8Weights) or module.in_features % 32 or not q8_built():
         return None
     ints, scales, bias = module.q8_arrays()
     return Weights(1, ints, scales, bias, int(ints.shape[0]))

@@ -31,7 +31,6 @@ SOURCE = (
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-static inline float inv_rms(const float* v, int d, float eps) { return 1.f / sqrtf(dot(v, v, d) / (float)d + eps); }
 void rms_f32(const float* x, const float* w, float* y, int rows, int d, float eps) {
   for (int r = 0; r < rows; r++) {
     const float* a = x + (long)r * d;
